@@ -1,0 +1,121 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from tensorflow.experimental import dtensor
+
+import tfdist
+from tfdist import DeviceMesh, init_device_mesh
+from tfdist.tensor import Replicate, Shard, distribute_tensor
+
+
+def test_shape_names_size(mesh_2d):
+    assert mesh_2d.ndim == 2 and mesh_2d.shape == (2, 4)
+    assert mesh_2d.mesh_dim_names == ("dp", "tp")
+    assert mesh_2d.size() == 8 and mesh_2d.size(1) == 4 and mesh_2d.size("dp") == 2
+    assert mesh_2d.device_type == "cpu"
+    np.testing.assert_array_equal(mesh_2d.mesh, np.arange(8).reshape(2, 4))
+
+
+def test_coordinates_and_local_rank(mesh_2d):
+    assert mesh_2d.get_coordinate() == [0, 0]
+    assert mesh_2d.local_coordinates()[5] == [1, 1]
+    assert mesh_2d.get_local_rank("tp") == 0
+    assert len(mesh_2d.local_devices()) == 8
+
+
+def test_slicing_keeps_parent(mesh_2d):
+    tp = mesh_2d["tp"]
+    assert tp.shape == (4,) and tp.mesh_dim_names == ("tp",)
+    assert tp.root_mesh == mesh_2d
+    np.testing.assert_array_equal(tp.mesh, [0, 1, 2, 3])  # group of this client's first device
+    np.testing.assert_array_equal(mesh_2d["dp"].mesh, [0, 4])
+    assert mesh_2d["dp", "tp"] == mesh_2d
+    assert mesh_2d["tp"] == mesh_2d["tp"] and hash(mesh_2d["tp"]) == hash(mesh_2d["tp"])
+    assert mesh_2d["tp"] != mesh_2d["dp"]
+
+
+def test_slice_placements_compose_on_parent(mesh_2d):
+    x = np.arange(32.0).reshape(4, 8)
+    col = distribute_tensor(x, mesh_2d["tp"], [Shard(1)])
+    assert col.device_mesh == mesh_2d["tp"]
+    both = col.redistribute(mesh_2d["dp"], [Shard(0)])
+    assert both.device_mesh == mesh_2d and both.placements == (Shard(0), Shard(1))
+    np.testing.assert_array_equal(both.numpy(), x)
+    # device (1, 2) holds rows 2:4 and cols 4:6
+    np.testing.assert_array_equal(both.local_tensors()[6].numpy(), x[2:4, 4:6])
+
+
+def test_repr_and_equality():
+    a = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+    b = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+    assert a == b and hash(a) == hash(b)
+    assert repr(a) == "DeviceMesh('cpu', [[0, 1, 2, 3], [4, 5, 6, 7]], mesh_dim_names=('dp', 'tp'))"
+    assert a != init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "tp"))
+
+
+def test_unnamed_mesh():
+    m = init_device_mesh("cpu", (8,))
+    assert m.mesh_dim_names is None
+    with pytest.raises(KeyError, match="no mesh_dim_names"):
+        m["x"]
+
+
+def test_explicit_device_order():
+    m = DeviceMesh("cpu", [[0, 2, 4, 6], [1, 3, 5, 7]], mesh_dim_names=("a", "b"))
+    np.testing.assert_array_equal(m.mesh, [[0, 2, 4, 6], [1, 3, 5, 7]])
+    # Local views are in mesh order: the second cell (0, 1) holds device 2.
+    assert m.local_device_ids()[:3] == [0, 2, 4]
+    assert m.local_coordinates()[1] == [0, 1]
+    assert m.local_devices()[1].endswith("CPU:2")
+    x = np.arange(16.0).reshape(2, 8)
+    d = distribute_tensor(x, m, [Shard(0), Shard(1)])
+    np.testing.assert_array_equal(d.local_tensors()[1].numpy(), x[0:1, 2:4])
+    np.testing.assert_array_equal(d.numpy(), x)
+
+
+def test_tf_interop_round_trip(mesh_2d):
+    tf_mesh = mesh_2d.to_tf()
+    assert isinstance(tf_mesh, dtensor.Mesh)
+    back = DeviceMesh.from_tf(tf_mesh)
+    assert back == mesh_2d
+    raw = dtensor.create_mesh([("x", 8)], device_type="CPU")
+    assert DeviceMesh.from_tf(raw).mesh_dim_names == ("x",)
+
+
+def test_gpu_alias_normalised():
+    from tfdist._runtime import normalize_device_type
+
+    assert normalize_device_type("cuda") == "GPU" and normalize_device_type("TPU") == "TPU"
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(device_type="cpu", mesh_shape=(3, 3)), r"holds 9 devices but there are 8"),
+        (dict(device_type="cpu", mesh_shape=(2, 4), mesh_dim_names=("a", "a")), "must be unique"),
+        (dict(device_type="cpu", mesh_shape=(2, 4), mesh_dim_names=("a",)), "has 1 entries but the mesh has 2"),
+        (dict(device_type="npu", mesh_shape=(8,)), "device_type must be one of"),
+        (dict(device_type="cpu", mesh_shape=(8, 0)), "positive ints"),
+    ],
+)
+def test_bad_input(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        init_device_mesh(**kwargs)
+
+
+def test_bad_slice_and_dims(mesh_2d):
+    with pytest.raises(KeyError, match="must be distinct dims"):
+        mesh_2d["pp"]
+    with pytest.raises(KeyError, match="mesh's order"):
+        mesh_2d["tp", "dp"]
+    with pytest.raises(ValueError, match="mesh_dim 'pp' is not a dim"):
+        mesh_2d.size("pp")
+    with pytest.raises(ValueError, match="each of the 8 CPU device ids"):
+        DeviceMesh("cpu", [0, 1, 2, 3])
+
+
+def test_virtual_cpus_same_count_is_harmless():
+    assert len(tfdist.virtual_cpus(8)) == 8
+    with pytest.raises(ValueError, match="positive int"):
+        tfdist.virtual_cpus(0)

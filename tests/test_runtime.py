@@ -1,0 +1,41 @@
+"""Process-level behaviour, checked in fresh interpreters."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=300)
+
+
+def test_import_tfdist_adds_nothing_beyond_tensorflow():
+    # TensorFlow 2.21 itself imports keras (for tf.keras); tfdist must add no
+    # heavy module of its own: no tf_keras, no TensorFlow Probability.
+    out = _run(
+        "import sys, tensorflow\n"
+        "before = set(sys.modules)\n"
+        "import tfdist, tfdist.tensor, tfdist.tensor.debug\n"
+        "added = set(sys.modules) - before\n"
+        "print(sorted(m for m in added if m.split('.')[0] != 'tfdist'))"
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_virtual_cpus_after_init_is_a_clear_error():
+    out = _run(
+        "import tensorflow as tf, tfdist\n"
+        "tf.constant(1.0) + 1\n"
+        "try:\n"
+        "    tfdist.virtual_cpus(4)\n"
+        "except RuntimeError as e:\n"
+        "    print('ERR', e)\n"
+    )
+    assert out.returncode == 0, out.stderr
+    assert "ERR virtual_cpus(4) came too late" in out.stdout
+    assert "Call tfdist.virtual_cpus() first" in out.stdout

@@ -1,0 +1,29 @@
+"""tfdist: the PyTorch distributed programming model on TensorFlow DTensor.
+
+``import tfdist`` imports TensorFlow only; Keras and TensorFlow Probability
+are imported by the submodules that need them.
+
+Example:
+    >>> import tfdist
+    >>> tfdist.virtual_cpus(8)                       # before anything touches TF devices
+    >>> mesh = tfdist.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+    >>> x = tfdist.tensor.distribute_tensor(tf.ones((8, 8)), mesh, [Shard(0), Shard(1)])
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from tfdist._runtime import get_rank, get_world_size, virtual_cpus
+from tfdist.device_mesh import DeviceMesh, init_device_mesh
+from tfdist import tensor
+
+__all__ = [
+    "__version__",
+    "virtual_cpus",
+    "get_rank",
+    "get_world_size",
+    "DeviceMesh",
+    "init_device_mesh",
+    "tensor",
+]

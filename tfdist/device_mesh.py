@@ -1,0 +1,406 @@
+"""DeviceMesh: a named, n-dimensional arrangement of devices over a TF DTensor mesh.
+
+A ``DeviceMesh`` wraps one ``tf.experimental.dtensor.Mesh`` (its *root*).
+Slicing by dim names (``mesh["tp"]``, ``mesh["dp", "tp"]``) gives a mesh that
+keeps its root: TF DTensor has no sub-meshes, so a DTensor placed on a slice
+is laid out on the root mesh with ``Replicate`` on the dims the slice leaves
+out.  That is what lets placements given on ``mesh["dp"]`` and ``mesh["tp"]``
+compose into one layout on the parent 2-D mesh.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Sequence
+
+import numpy as np
+from tensorflow.experimental import dtensor
+from tensorflow.python.framework import device as tf_dev
+
+from tfdist import _runtime
+
+__all__ = ["DeviceMesh", "init_device_mesh"]
+
+_current = threading.local()  # stack of meshes entered with ``with mesh:``
+
+_FORBIDDEN_NAME_CHARS = set(",|=: ")
+
+
+def _check_dim_names(names: Sequence[str], ndim: int) -> tuple[str, ...]:
+    names = tuple(names)
+    if len(names) != ndim:
+        raise ValueError(
+            f"mesh_dim_names has {len(names)} entries but the mesh has {ndim} "
+            f"dims. Received: mesh_dim_names={names!r}"
+        )
+    for name in names:
+        if not isinstance(name, str) or not name or set(name) & _FORBIDDEN_NAME_CHARS:
+            raise ValueError(
+                "each mesh dim name must be a non-empty str without any of "
+                f"{sorted(_FORBIDDEN_NAME_CHARS)}. Received: mesh_dim_names={names!r}"
+            )
+    if len(set(names)) != len(names):
+        raise ValueError(
+            f"mesh_dim_names must be unique. Received: mesh_dim_names={names!r}"
+        )
+    return names
+
+
+def _build_tf_mesh(
+    device_type: str, ids: np.ndarray, names: tuple[str, ...]
+) -> dtensor.Mesh:
+    """A dtensor.Mesh whose mesh positions hold the devices ``ids``.
+
+    TF DTensor numbers mesh positions 0..n-1 in row-major order and maps
+    position ``p`` to the client's ``p``-th listed device, so an arbitrary
+    device order is a permutation of that list.  Across clients each client
+    must own a contiguous block of positions.
+    """
+    n_global = ids.size
+    n_local = n_global // _runtime.get_world_size()
+    first = _runtime.get_rank() * n_local
+    positions = list(range(first, first + n_local))
+    flat = ids.ravel().tolist()
+    owned = flat[first:first + n_local]
+    if sorted(owned) != positions:
+        raise ValueError(
+            f"with {_runtime.get_world_size()} clients, client {_runtime.get_rank()} "
+            f"must own mesh positions {positions[0]}..{positions[-1]}; its devices "
+            f"can be permuted among themselves only. Received: mesh={ids.tolist()!r}"
+        )
+    # dtensor.local_devices gives fully qualified names (job/replica/task),
+    # which TF DTensor needs to place the mesh.
+    devices = dtensor.local_devices(device_type)
+    local_devices = [devices[i - first] for i in owned]
+    return dtensor.Mesh(
+        dim_names=list(names),
+        global_device_ids=np.arange(n_global).reshape(ids.shape),
+        local_device_ids=positions,
+        local_devices=local_devices,
+    )
+
+
+def _device_ids(tf_mesh: dtensor.Mesh) -> np.ndarray:
+    """Device id at each mesh position (the ``mesh`` array torch shows)."""
+    shape = tf_mesh.shape()
+    ids = np.asarray(tf_mesh.global_device_ids()).reshape(shape)
+    if _runtime.is_multi_client():
+        return ids
+    # One client: a position's device id is the index of the device it maps to.
+    index = [tf_dev.DeviceSpec.from_string(d).device_index for d in tf_mesh.local_devices()]
+    by_position = dict(zip(tf_mesh.local_device_ids(), index))
+    return np.vectorize(by_position.__getitem__)(ids) if ids.size else ids
+
+
+class DeviceMesh:
+    """An n-D mesh of devices with named dims, over a TF DTensor mesh.
+
+    Prefer :func:`init_device_mesh`.  Direct construction takes the global
+    device ids laid out in the mesh's shape (torch's ``mesh`` argument).
+
+    Args:
+        device_type: ``"cpu"``, ``"gpu"`` (or ``"cuda"``) or ``"tpu"``.
+        mesh: array-like of global device ids; its shape is the mesh shape.
+        mesh_dim_names: one name per mesh dim; ``None`` leaves the mesh
+            unnamed (it then cannot be sliced by name).
+
+    Example:
+        >>> mesh = DeviceMesh("cpu", [[0, 1, 2, 3], [4, 5, 6, 7]], mesh_dim_names=("dp", "tp"))
+        >>> mesh["tp"].size(), mesh.shape
+        (4, (2, 4))
+    """
+
+    def __init__(
+        self,
+        device_type: str,
+        mesh: Sequence | np.ndarray,
+        *,
+        mesh_dim_names: Sequence[str] | None = None,
+    ) -> None:
+        tf_type = _runtime.normalize_device_type(device_type)
+        _runtime.initialize_accelerators(tf_type)  # multi-client needs it to count devices
+        ids = np.asarray(mesh)
+        if ids.ndim == 0 or ids.dtype.kind not in "iu":
+            raise ValueError(
+                "mesh must be an n-D array of integer device ids. "
+                f"Received: mesh={mesh!r}"
+            )
+        n = _runtime.num_global_devices(tf_type)
+        if sorted(ids.ravel().tolist()) != list(range(n)):
+            raise ValueError(
+                f"mesh must hold each of the {n} {tf_type} device ids 0..{n - 1} "
+                f"exactly once. Received: mesh={ids.tolist()!r}"
+            )
+        named = mesh_dim_names is not None
+        names = (
+            _check_dim_names(mesh_dim_names, ids.ndim)
+            if named
+            else tuple(f"dim_{i}" for i in range(ids.ndim))
+        )
+        self._init_from_tf(_build_tf_mesh(tf_type, ids, names), named=named)
+
+    def _init_from_tf(
+        self,
+        tf_mesh: dtensor.Mesh,
+        *,
+        named: bool = True,
+        dims: tuple[int, ...] | None = None,
+        root: DeviceMesh | None = None,
+    ) -> None:
+        self._tf_mesh = tf_mesh
+        self._named = named
+        self._dims = tuple(range(len(tf_mesh.dim_names))) if dims is None else dims
+        self._root = root
+        self._key = (tf_mesh.to_string(), self._dims)
+        self._ids = _device_ids(tf_mesh) if root is None else root._ids
+
+    @classmethod
+    def from_tf(cls, tf_mesh: dtensor.Mesh) -> DeviceMesh:
+        """Wraps an existing ``tf.experimental.dtensor.Mesh`` (no copy).
+
+        Example:
+            >>> tfm = dtensor.create_mesh([("x", 8)], device_type="CPU")
+            >>> DeviceMesh.from_tf(tfm).mesh_dim_names
+            ('x',)
+        """
+        if not isinstance(tf_mesh, dtensor.Mesh):
+            raise TypeError(
+                "from_tf expects a tf.experimental.dtensor.Mesh. "
+                f"Received: tf_mesh={tf_mesh!r}"
+            )
+        mesh = cls.__new__(cls)
+        mesh._init_from_tf(tf_mesh)
+        return mesh
+
+    def to_tf(self) -> dtensor.Mesh:
+        """The TF DTensor mesh.  For a slice, the root mesh it lives on."""
+        return self._tf_mesh
+
+    # -- shape and names -------------------------------------------------
+    @property
+    def root_mesh(self) -> DeviceMesh:
+        """The mesh this one was sliced from (itself when it is a root)."""
+        return self if self._root is None else self._root
+
+    @property
+    def root_dims(self) -> tuple[int, ...]:
+        """Indices of this mesh's dims among the root mesh's dims."""
+        return self._dims
+
+    @property
+    def device_type(self) -> str:
+        """Lower-case device type: ``"cpu"``, ``"gpu"`` or ``"tpu"``."""
+        return self._tf_mesh.device_type().lower()
+
+    @property
+    def ndim(self) -> int:
+        return len(self._dims)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        root_shape = self._tf_mesh.shape()
+        return tuple(root_shape[d] for d in self._dims)
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...] | None:
+        if not self._named:
+            return None
+        return tuple(self._tf_mesh.dim_names[d] for d in self._dims)
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        """Dim names as TF DTensor knows them (generated when the mesh is unnamed)."""
+        return tuple(self._tf_mesh.dim_names[d] for d in self._dims)
+
+    def size(self, mesh_dim: int | str | None = None) -> int:
+        """Number of devices in the mesh, or along one mesh dim (index or name)."""
+        if mesh_dim is None:
+            return math.prod(self.shape)
+        return self.shape[self._dim_index(mesh_dim)]
+
+    def _dim_index(self, mesh_dim: int | str) -> int:
+        if isinstance(mesh_dim, str):
+            if mesh_dim not in self.axis_names or not self._named:
+                raise ValueError(
+                    f"mesh_dim {mesh_dim!r} is not a dim of this mesh; its dims are "
+                    f"{self.mesh_dim_names}. Received: mesh_dim={mesh_dim!r}"
+                )
+            return self.axis_names.index(mesh_dim)
+        if isinstance(mesh_dim, bool) or not isinstance(mesh_dim, int) or not (
+            -self.ndim <= mesh_dim < self.ndim
+        ):
+            raise ValueError(
+                f"mesh_dim must be a dim name or an index in [{-self.ndim}, "
+                f"{self.ndim}). Received: mesh_dim={mesh_dim!r}"
+            )
+        return mesh_dim % self.ndim
+
+    # -- devices and coordinates ----------------------------------------------
+    # A *position* is TF DTensor's row-major index of a mesh cell; the device
+    # id shown to users (``mesh``) is the device sitting there.
+    def _position_coordinate(self, position: int) -> tuple[int, ...]:
+        return tuple(int(c) for c in np.unravel_index(position, self._tf_mesh.shape()))
+
+    @property
+    def mesh(self) -> np.ndarray:
+        """Device ids of this mesh (for a slice: the group of this client's first device)."""
+        coord = self._position_coordinate(self._tf_mesh.local_device_ids()[0])
+        index = tuple(
+            slice(None) if d in self._dims else coord[d] for d in range(self._ids.ndim)
+        )
+        return self._ids[index]
+
+    def local_device_ids(self) -> list[int]:
+        """Ids of this client's devices, in mesh order."""
+        return [int(self._ids.flat[p]) for p in self._tf_mesh.local_device_ids()]
+
+    def local_devices(self) -> list[str]:
+        """Names of this client's devices, in mesh order."""
+        return list(self._tf_mesh.local_devices())
+
+    def get_coordinate(self) -> list[int]:
+        """Mesh coordinate of this client's first device.
+
+        torch gives each rank one device; here one client may own several, so
+        this is the coordinate of the first one (see :meth:`local_coordinates`).
+        """
+        return self.local_coordinates()[0]
+
+    def local_coordinates(self) -> list[list[int]]:
+        """Mesh coordinates of every local device, in mesh order."""
+        return [
+            [self._position_coordinate(p)[d] for d in self._dims]
+            for p in self._tf_mesh.local_device_ids()
+        ]
+
+    def get_local_rank(self, mesh_dim: int | str | None = None) -> int:
+        """This client's (first device's) index along ``mesh_dim``."""
+        if mesh_dim is None:
+            if self.ndim != 1:
+                raise ValueError(
+                    f"mesh_dim is required for a {self.ndim}-D mesh. Received: mesh_dim=None"
+                )
+            mesh_dim = 0
+        return self.get_coordinate()[self._dim_index(mesh_dim)]
+
+    # -- slicing ---------------------------------------------------------------
+    def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:
+        if not self._named:
+            raise KeyError(
+                "this mesh has no mesh_dim_names, so it cannot be sliced by name; "
+                "create it with init_device_mesh(..., mesh_dim_names=(...))."
+            )
+        wanted = (names,) if isinstance(names, str) else tuple(names)
+        own = self.axis_names
+        unknown = [n for n in wanted if n not in own]
+        if unknown or not wanted or len(set(wanted)) != len(wanted):
+            raise KeyError(
+                f"mesh dim names {wanted!r} must be distinct dims of this mesh, "
+                f"which has {own}. Received: {names!r}"
+            )
+        positions = [own.index(n) for n in wanted]
+        if positions != sorted(positions):
+            raise KeyError(
+                f"slice dims in the mesh's order {own}. Received: {names!r}"
+            )
+        if len(wanted) == self.ndim:
+            return self
+        child = DeviceMesh.__new__(DeviceMesh)
+        child._init_from_tf(
+            self._tf_mesh,
+            dims=tuple(self._dims[p] for p in positions),
+            root=self.root_mesh,
+        )
+        return child
+
+    # -- ``with mesh:`` makes this the default mesh, as in torch -----------------
+    def __enter__(self) -> DeviceMesh:
+        _mesh_stack().append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _mesh_stack().pop()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, DeviceMesh) and self._key == other._key
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+    def __repr__(self) -> str:
+        names = f", mesh_dim_names={self.mesh_dim_names}" if self._named else ""
+        return f"DeviceMesh('{self.device_type}', {self.mesh.tolist()}{names})"
+
+
+def init_device_mesh(
+    device_type: str,
+    mesh_shape: Sequence[int],
+    *,
+    mesh_dim_names: Sequence[str] | None = None,
+) -> DeviceMesh:
+    """Builds a mesh over every device of ``device_type`` on all clients.
+
+    Devices are laid out in row-major order of their global ids, the same in
+    every client, so a multi-client program builds one identical mesh.
+
+    Args:
+        device_type: ``"cpu"``, ``"gpu"``/``"cuda"`` or ``"tpu"``.
+        mesh_shape: devices per mesh dim; the product must equal the number
+            of global devices.
+        mesh_dim_names: one unique name per dim (needed to slice the mesh).
+
+    Example:
+        >>> mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+        >>> mesh
+        DeviceMesh('cpu', [[0, 1, 2, 3], [4, 5, 6, 7]], mesh_dim_names=('dp', 'tp'))
+    """
+    tf_type = _runtime.normalize_device_type(device_type)
+    _runtime.initialize_accelerators(tf_type)
+    shape = tuple(mesh_shape) if isinstance(mesh_shape, (tuple, list)) else None
+    if not shape or any(
+        isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in shape
+    ):
+        raise ValueError(
+            "mesh_shape must be a non-empty tuple of positive ints. "
+            f"Received: mesh_shape={mesh_shape!r}"
+        )
+    n = _runtime.num_global_devices(tf_type)
+    if math.prod(shape) != n:
+        raise ValueError(
+            f"mesh_shape {shape} holds {math.prod(shape)} devices but there are "
+            f"{n} {tf_type} devices over all clients; make the product equal {n}"
+            f"{' (tfdist.virtual_cpus(k) sets the CPU count)' if tf_type == 'CPU' else ''}. "
+            f"Received: mesh_shape={mesh_shape!r}"
+        )
+    if mesh_dim_names is not None:
+        _check_dim_names(mesh_dim_names, len(shape))
+    return DeviceMesh(
+        device_type, np.arange(n).reshape(shape), mesh_dim_names=mesh_dim_names
+    )
+
+
+
+def _mesh_stack() -> list[DeviceMesh]:
+    if not hasattr(_current, "stack"):
+        _current.stack = []
+    return _current.stack
+
+
+def resolve_mesh(device_mesh: DeviceMesh | None, caller: str) -> DeviceMesh:
+    """``device_mesh`` if given, else the innermost ``with mesh:``; else a clear error."""
+    if device_mesh is None:
+        stack = _mesh_stack()
+        if not stack:
+            raise ValueError(
+                f"{caller} needs a device_mesh: pass one, or call it inside "
+                "`with mesh:`. Received: device_mesh=None"
+            )
+        device_mesh = stack[-1]
+    if not isinstance(device_mesh, DeviceMesh):
+        raise TypeError(
+            "device_mesh must be a tfdist DeviceMesh. Received: "
+            f"device_mesh={type(device_mesh).__name__}; wrap a dtensor.Mesh with "
+            "DeviceMesh.from_tf."
+        )
+    return device_mesh

@@ -1,0 +1,227 @@
+"""TF API dispatch for DTensor: ``tf.matmul(a, b)`` etc. on tfdist DTensors.
+
+Each handler asks ``_sharding_prop`` for the placements the op runs on,
+redistributes the inputs (usually a no-op), runs the TF op on the physical
+TF DTensors -- TF DTensor does the SPMD expansion and the collectives -- and
+pins the output layout it promised.  Python scalars and 0-d tensors mix in
+as replicated values; other plain tensors are refused, as torch refuses to
+mix DTensor and torch.Tensor.
+"""
+
+# No ``from __future__ import annotations`` here: TF dispatch reads the
+# handlers' annotations as real types.
+import typing
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from tfdist.tensor._api import DTensor
+from tfdist.tensor._layout import DTensorSpec
+from tfdist.tensor._redistribute import redistribute_physical
+from tfdist.tensor import _sharding_prop as prop
+from tfdist.tensor.placement_types import Replicate
+
+__all__: list[str] = []
+
+_Other = typing.Union[tf.Tensor, np.ndarray, np.generic, int, float, bool, complex]
+
+
+def _root_spec(spec: DTensorSpec) -> DTensorSpec:
+    root = spec.mesh.root_mesh
+    return spec if spec.mesh is root else DTensorSpec(root, spec.root_placements, spec.shape)
+
+
+def _common_mesh(dts: Sequence[DTensor]):
+    meshes = {d.device_mesh for d in dts}
+    roots = {m.root_mesh for m in meshes}
+    if len(roots) != 1:
+        raise ValueError(
+            "all DTensor operands must live on one mesh. Received DTensors on "
+            f"{sorted(map(repr, meshes))}; redistribute them onto one mesh first."
+        )
+    return meshes.pop() if len(meshes) == 1 else roots.pop()
+
+
+def _scalar_to_dtensor(value: Any, like: DTensor) -> DTensor:
+    """A Python number or 0-d tensor as a replicated 0-d DTensor on ``like``'s mesh."""
+    rank = value.shape.rank if isinstance(value, tf.Tensor) else np.ndim(value)
+    if rank:
+        raise TypeError(
+            f"a DTensor op got a plain tensor of shape {tuple(np.shape(value))}; mixing "
+            "DTensor and non-scalar tensors is not allowed (as in torch). Distribute "
+            "it first: distribute_tensor(t, mesh, [Replicate()] * mesh.ndim)."
+        )
+    t = value if isinstance(value, tf.Tensor) else tf.convert_to_tensor(value, dtype=like.dtype)
+    mesh = like.device_mesh
+    spec = DTensorSpec(mesh, (Replicate(),) * mesh.ndim, ())
+    return DTensor._wrap(dtensor.copy_to_mesh(t, spec.tf_layout), spec)
+
+
+def run_op(
+    fn: Callable[..., tf.Tensor],
+    dts: Sequence[DTensor],
+    strategy: prop.Strategy,
+    out_shape: Sequence[int],
+) -> DTensor:
+    """Redistributes ``dts`` to the strategy's inputs, runs ``fn`` on the physical tensors."""
+    targets, out_root = strategy
+    mesh = _common_mesh(dts)
+    physicals = []
+    for dt, target in zip(dts, targets):
+        src = _root_spec(dt._spec)
+        dst = DTensorSpec(src.mesh, tuple(target), src.shape)
+        physicals.append(redistribute_physical(dt._physical, src, dst))
+    y = fn(*physicals)
+    root = mesh.root_mesh
+    if mesh is not root and all(out_root[m].is_replicate() for m in range(root.ndim) if m not in mesh.root_dims):
+        out_spec = DTensorSpec(mesh, tuple(out_root[m] for m in mesh.root_dims), tuple(out_shape))
+    else:
+        out_spec = DTensorSpec(root, tuple(out_root), tuple(out_shape))
+    return DTensor._wrap(dtensor.relayout(y, out_spec.tf_layout), out_spec)
+
+
+# -- elementwise ------------------------------------------------------------------
+@tf.experimental.dispatch_for_unary_elementwise_apis(DTensor)
+def _unary(api_func, x):
+    spec = _root_spec(x._spec)
+    strategy = prop.elementwise_strategy([spec], spec.shape)
+    return run_op(api_func, [x], strategy, spec.shape)
+
+
+def _binary(api_func, x, y):
+    like = x if isinstance(x, DTensor) else y
+    x = x if isinstance(x, DTensor) else _scalar_to_dtensor(x, like)
+    y = y if isinstance(y, DTensor) else _scalar_to_dtensor(y, like)
+    _common_mesh([x, y])
+    specs = [_root_spec(x._spec), _root_spec(y._spec)]
+    out_shape = prop.broadcast_shape([specs[0].shape, specs[1].shape])
+    return run_op(api_func, [x, y], prop.elementwise_strategy(specs, out_shape), out_shape)
+
+
+tf.experimental.dispatch_for_binary_elementwise_apis(DTensor, DTensor)(_binary)
+tf.experimental.dispatch_for_binary_elementwise_apis(DTensor, _Other)(_binary)
+tf.experimental.dispatch_for_binary_elementwise_apis(_Other, DTensor)(_binary)
+
+
+# -- matmul -------------------------------------------------------------------------
+@tf.experimental.dispatch_for_api(tf.linalg.matmul)
+def _matmul(
+    a: DTensor, b: DTensor, transpose_a=False, transpose_b=False, adjoint_a=False,
+    adjoint_b=False, a_is_sparse=False, b_is_sparse=False, output_type=None,
+    grad_a=False, grad_b=False, name=None,
+):
+    ta, tb = transpose_a or adjoint_a, transpose_b or adjoint_b
+    for arg, x in (("a", a), ("b", b)):
+        if x.ndim < 2:
+            raise ValueError(
+                f"matmul needs operands of rank >= 2. Received: {arg} with shape {tuple(x.shape)}"
+            )
+    strategy, out_shape = prop.matmul_strategy(_root_spec(a._spec), _root_spec(b._spec), ta, tb)
+
+    def fn(pa, pb):
+        return tf.linalg.matmul(
+            pa, pb, transpose_a=transpose_a, transpose_b=transpose_b,
+            adjoint_a=adjoint_a, adjoint_b=adjoint_b, output_type=output_type,
+        )
+
+    return run_op(fn, [a, b], strategy, out_shape)
+
+
+def _matmul_mixed(
+    a, b, transpose_a=False, transpose_b=False, adjoint_a=False, adjoint_b=False,
+    a_is_sparse=False, b_is_sparse=False, output_type=None, grad_a=False,
+    grad_b=False, name=None,
+):
+    plain = "b" if isinstance(a, DTensor) else "a"
+    raise TypeError(
+        f"tf.matmul got a DTensor and a plain tensor ({plain}); mixing them is not "
+        "allowed (as in torch). Distribute it first: distribute_tensor(t, mesh, placements)."
+    )
+
+
+tf.experimental.dispatch_for_api(tf.linalg.matmul, {"a": DTensor, "b": _Other})(_matmul_mixed)
+tf.experimental.dispatch_for_api(tf.linalg.matmul, {"a": _Other, "b": DTensor})(_matmul_mixed)
+
+
+# -- reductions ------------------------------------------------------------------------
+def _axes(axis, ndim: int) -> list[int]:
+    if axis is None:
+        return list(range(ndim))
+    if isinstance(axis, (tf.Tensor, np.ndarray)):
+        axis = np.asarray(axis).tolist() if not isinstance(axis, tf.Tensor) else tf.get_static_value(axis).tolist()
+    axes = [axis] if isinstance(axis, int) else list(axis)
+    for a in axes:
+        if not -ndim <= a < ndim:
+            raise ValueError(f"axis {a} is out of range for a {ndim}-D DTensor. Received: axis={axis!r}")
+    return sorted({a % ndim for a in axes})
+
+
+def _register_reduction(api):
+    @tf.experimental.dispatch_for_api(api)
+    def handler(input_tensor: DTensor, axis=None, keepdims=False, name=None):
+        spec = _root_spec(input_tensor._spec)
+        axes = _axes(axis, len(spec.shape))
+        out_shape = tuple(
+            1 if d in axes else n for d, n in enumerate(spec.shape) if keepdims or d not in axes
+        )
+        strategy = prop.reduction_strategy(spec, axes, keepdims)
+        return run_op(lambda x: api(x, axis=axes, keepdims=keepdims), [input_tensor], strategy, out_shape)
+
+    return handler
+
+
+for _api in (
+    tf.math.reduce_sum, tf.math.reduce_mean, tf.math.reduce_max,
+    tf.math.reduce_min, tf.math.reduce_prod,
+):
+    _register_reduction(_api)
+
+
+# -- shape ops -----------------------------------------------------------------------
+@tf.experimental.dispatch_for_api(tf.reshape)
+def _reshape(tensor: DTensor, shape, name=None):
+    static = tf.get_static_value(tf.convert_to_tensor(shape))
+    if static is None:
+        raise ValueError(f"tf.reshape on a DTensor needs a static shape. Received: shape={shape!r}")
+    new_shape = [int(n) for n in np.asarray(static).ravel()]
+    total = int(np.prod(tensor._global_shape))
+    if -1 in new_shape:
+        known = int(np.prod([n for n in new_shape if n != -1]))
+        new_shape[new_shape.index(-1)] = total // max(known, 1)
+    if int(np.prod(new_shape)) != total:
+        raise ValueError(
+            f"cannot reshape a DTensor of shape {tensor._global_shape} into {tuple(new_shape)}."
+        )
+    spec = _root_spec(tensor._spec)
+    return run_op(lambda x: tf.reshape(x, new_shape), [tensor], prop.reshape_strategy(spec, new_shape), new_shape)
+
+
+@tf.experimental.dispatch_for_api(tf.transpose)
+def _transpose(a: DTensor, perm=None, conjugate=False, name="transpose"):
+    ndim = a.ndim
+    perm = list(range(ndim))[::-1] if perm is None else [int(p) % ndim for p in perm]
+    if sorted(perm) != list(range(ndim)):
+        raise ValueError(f"perm must be a permutation of 0..{ndim - 1}. Received: perm={perm!r}")
+    spec = _root_spec(a._spec)
+    out_shape = tuple(spec.shape[p] for p in perm)
+    return run_op(
+        lambda x: tf.transpose(x, perm, conjugate=conjugate), [a],
+        prop.transpose_strategy(spec, perm), out_shape,
+    )
+
+
+def _register_softmax(api):
+    @tf.experimental.dispatch_for_api(api)
+    def handler(logits: DTensor, axis=None, name=None):
+        axis = -1 if axis is None else axis
+        spec = _root_spec(logits._spec)
+        dim = axis % len(spec.shape)
+        return run_op(lambda x: api(x, axis=dim), [logits], prop.keep_dims_strategy(spec, [dim]), spec.shape)
+
+    return handler
+
+
+for _api in (tf.nn.softmax, tf.nn.log_softmax):
+    _register_softmax(_api)

@@ -1,0 +1,208 @@
+"""Sharding propagation: for an op, the input placements it runs on and the output's.
+
+Rules work on *root* placements (one per root mesh dim) and logical shapes.
+Each returns ``(input_targets, output_placements)``; the dispatcher
+redistributes the inputs to the targets, runs the TF op on the physical
+tensors and pins the output layout.  The rules are chosen to agree with the
+layout TF DTensor itself propagates, so pinning costs nothing; in
+particular a matmul whose contraction dim is sharded gives a *Replicate*
+result (TF DTensor all-reduces inside the op), where torch would give Partial.
+
+Uneven shards carry padding (see ``_layout``), which is harmless wherever the
+op keeps rows apart (elementwise, matmul's free dims, transpose) and wrong
+where it mixes them (contraction, reduction, reshape): there the rule asks
+for the dim to be replicated first.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from tfdist.tensor._layout import DTensorSpec
+from tfdist.tensor.placement_types import Placement, Replicate, Shard
+
+__all__ = [
+    "Strategy",
+    "elementwise_strategy",
+    "matmul_strategy",
+    "reduction_strategy",
+    "transpose_strategy",
+    "reshape_strategy",
+    "keep_dims_strategy",
+]
+
+Placements = tuple[Placement, ...]
+Strategy = tuple[list[Placements], Placements]
+
+
+def _no_partial(p: Placement) -> Placement:
+    return Replicate() if p.is_partial() else p
+
+
+def broadcast_shape(shapes: Sequence[Sequence[int]]) -> tuple[int, ...]:
+    rank = max(len(s) for s in shapes)
+    out = [1] * rank
+    for s in shapes:
+        for i, n in enumerate(s):
+            j = rank - len(s) + i
+            if n != 1:
+                if out[j] not in (1, n):
+                    raise ValueError(f"shapes {[tuple(x) for x in shapes]} do not broadcast")
+                out[j] = n
+    return tuple(out)
+
+
+def elementwise_strategy(specs: Sequence[DTensorSpec], out_shape: Sequence[int]) -> Strategy:
+    """Follows the first operand that shards a (non-broadcast) output dim per mesh dim."""
+    rank = len(out_shape)
+    n_mesh = len(specs[0].root_placements)
+    out: list[Placement] = [Replicate()] * n_mesh
+    used: set[int] = set()
+    for m in range(n_mesh):
+        for spec in specs:
+            p = spec.root_placements[m]
+            if isinstance(p, Shard):
+                d_out = p.dim + rank - len(spec.shape)
+                if spec.shape[p.dim] == out_shape[d_out] and d_out not in used:
+                    out[m] = Shard(d_out)
+                    used.add(d_out)
+                    break
+    targets = []
+    for spec in specs:
+        offset = rank - len(spec.shape)
+        target = []
+        for p in out:
+            d_in = p.dim - offset if isinstance(p, Shard) else -1
+            full = d_in >= 0 and spec.shape[d_in] == out_shape[p.dim]
+            target.append(Shard(d_in) if full else Replicate())
+        targets.append(tuple(target))
+    return targets, tuple(out)
+
+
+def matmul_strategy(
+    a: DTensorSpec, b: DTensorSpec, transpose_a: bool, transpose_b: bool
+) -> tuple[Strategy, tuple[int, ...]]:
+    """Megatron-style rules for ``a @ b`` (batch dims broadcast like numpy).
+
+    Per mesh dim, in order of preference: a sharded contraction dim (the
+    other operand is sliced to match; the result is Replicate), then a's
+    row or batch dim, then b's column or batch dim.
+    """
+    ra, rb = len(a.shape), len(b.shape)
+    a_m, a_k = (ra - 1, ra - 2) if transpose_a else (ra - 2, ra - 1)
+    b_k, b_n = (rb - 1, rb - 2) if transpose_b else (rb - 2, rb - 1)
+    batch = broadcast_shape([a.shape[:-2], b.shape[:-2]])
+    out_shape = batch + (a.shape[a_m], b.shape[b_n])
+    ro = len(out_shape)
+    n_mesh = len(a.root_placements)
+    ta: list[Placement] = [Replicate()] * n_mesh
+    tb: list[Placement] = [Replicate()] * n_mesh
+    out: list[Placement] = [Replicate()] * n_mesh
+    used_a: set[int] = set()
+    used_b: set[int] = set()
+    used_o: set[int] = set()
+
+    def even(spec: DTensorSpec, d: int, m: int) -> bool:
+        return spec.shape[d] % spec.root_shape[m] == 0
+
+    def batch_dim(spec: DTensorSpec, d: int) -> int | None:
+        """Output dim of operand batch dim ``d`` (None unless a full-size batch dim)."""
+        if d >= len(spec.shape) - 2:
+            return None
+        d_out = d + (ro - 2) - (len(spec.shape) - 2)
+        return d_out if spec.shape[d] == out_shape[d_out] else None
+
+    def other_batch(spec: DTensorSpec, d_out: int) -> int | None:
+        d = d_out - (ro - 2) + (len(spec.shape) - 2)
+        return d if d >= 0 and spec.shape[d] == out_shape[d_out] else None
+
+    for m in range(n_mesh):
+        pa, pb = _no_partial(a.root_placements[m]), _no_partial(b.root_placements[m])
+        if (pa.is_shard(a_k) or pb.is_shard(b_k)) and a_k not in used_a and b_k not in used_b \
+                and even(a, a_k, m):
+            ta[m], tb[m] = Shard(a_k), Shard(b_k)
+            used_a.add(a_k); used_b.add(b_k)
+            continue
+        if isinstance(pa, Shard) and pa.dim != a_k:
+            d_out = ro - 2 if pa.dim == a_m else batch_dim(a, pa.dim)
+            if d_out is not None and d_out not in used_o:
+                ta[m], out[m] = pa, Shard(d_out)
+                used_a.add(pa.dim); used_o.add(d_out)
+                if d_out < ro - 2:
+                    d_b = other_batch(b, d_out)
+                    if d_b is not None:
+                        tb[m] = Shard(d_b); used_b.add(d_b)
+                continue
+        if isinstance(pb, Shard) and pb.dim != b_k:
+            d_out = ro - 1 if pb.dim == b_n else batch_dim(b, pb.dim)
+            if d_out is not None and d_out not in used_o:
+                tb[m], out[m] = pb, Shard(d_out)
+                used_b.add(pb.dim); used_o.add(d_out)
+                if d_out < ro - 2:
+                    d_a = other_batch(a, d_out)
+                    if d_a is not None:
+                        ta[m] = Shard(d_a); used_a.add(d_a)
+    return ([tuple(ta), tuple(tb)], tuple(out)), out_shape
+
+
+def reduction_strategy(spec: DTensorSpec, axes: Sequence[int], keepdims: bool) -> Strategy:
+    """Reduced dims come out replicated (an all-reduce); uneven ones are gathered first."""
+    reduced = set(axes)
+    target, out = [], []
+    for m, p in enumerate(spec.root_placements):
+        p = _no_partial(p)
+        if isinstance(p, Shard) and p.dim in reduced:
+            target.append(p if p.dim not in spec.uneven_dims else Replicate())
+            out.append(Replicate())
+        elif isinstance(p, Shard):
+            shift = 0 if keepdims else sum(1 for a in reduced if a < p.dim)
+            target.append(p)
+            out.append(Shard(p.dim - shift))
+        else:
+            target.append(Replicate())
+            out.append(Replicate())
+    return [tuple(target)], tuple(out)
+
+
+def keep_dims_strategy(spec: DTensorSpec, mixed_dims: Sequence[int]) -> Strategy:
+    """Ops that mix rows along ``mixed_dims`` (softmax): those dims are replicated."""
+    mixed = set(mixed_dims)
+    target = tuple(
+        Replicate() if p.is_partial() or (isinstance(p, Shard) and p.dim in mixed) else p
+        for p in spec.root_placements
+    )
+    return [target], target
+
+
+def transpose_strategy(spec: DTensorSpec, perm: Sequence[int]) -> Strategy:
+    perm = list(perm)
+    target = tuple(_no_partial(p) for p in spec.root_placements)
+    out = tuple(Shard(perm.index(p.dim)) if isinstance(p, Shard) else p for p in target)
+    return [target], out
+
+
+def reshape_strategy(spec: DTensorSpec, new_shape: Sequence[int]) -> Strategy:
+    """A sharded dim survives when it maps to one output dim of the same size
+    with the same number of elements before it; otherwise it is gathered."""
+    old = list(spec.shape)
+    new = list(new_shape)
+
+    def prefix(shape: list[int], d: int) -> int:
+        out = 1
+        for n in shape[:d]:
+            out *= n
+        return out
+
+    target, out = [], []
+    for p in spec.root_placements:
+        p = _no_partial(p)
+        kept = None
+        if isinstance(p, Shard) and p.dim not in spec.uneven_dims:
+            before = prefix(old, p.dim)
+            for d in range(len(new)):
+                if new[d] == old[p.dim] and prefix(new, d) == before:
+                    kept = d
+                    break
+        target.append(p if kept is not None else Replicate())
+        out.append(Shard(kept) if kept is not None else Replicate())
+    return [tuple(target)], tuple(out)
