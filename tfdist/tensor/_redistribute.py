@@ -119,8 +119,15 @@ def _shard_map(placements: Sequence[Placement]) -> dict[int, int]:
     return {p.dim: m for m, p in enumerate(placements) if isinstance(p, Shard)}
 
 
-def _resize_dims(x: tf.Tensor, lead: int, sizes: dict[int, int]) -> tf.Tensor:
-    """Pads or slices (at the end) logical dims to ``sizes``; dims must be replicated."""
+def _resize_dims(
+    x: tf.Tensor, lead: int, sizes: dict[int, int], layout: dtensor.Layout
+) -> tf.Tensor:
+    """Pads or slices (at the end) logical dims to ``sizes``; dims must be replicated.
+
+    The result is pinned to ``layout`` (the input's): inside tf.function TF
+    DTensor would otherwise pull the *next* relayout's sharding back into
+    the pad, which its SPMD expander rejects.
+    """
     if not sizes:
         return x
     shape = x.shape.as_list()
@@ -140,7 +147,7 @@ def _resize_dims(x: tf.Tensor, lead: int, sizes: dict[int, int]) -> tf.Tensor:
         x = tf.slice(x, begin, size)
     if grow:
         x = tf.pad(x, pads)
-    return x
+    return dtensor.relayout(x, layout)
 
 
 def redistribute_physical(x: tf.Tensor, src: DTensorSpec, dst: DTensorSpec) -> tf.Tensor:
@@ -170,8 +177,9 @@ def redistribute_physical(x: tf.Tensor, src: DTensorSpec, dst: DTensorSpec) -> t
     if clash:
         for d in clash:
             cur[cur_shard[d]] = Replicate()
-        x = dtensor.relayout(x, physical_layout(root, cur, ndim))
-        x = _resize_dims(x, lead, {d: src.shape[d] for d in clash})
+        layout = physical_layout(root, cur, ndim)
+        x = dtensor.relayout(x, layout)
+        x = _resize_dims(x, lead, {d: src.shape[d] for d in clash}, layout)
         cur_pad.update({d: src.shape[d] for d in clash})
         cur_shard = _shard_map(cur)
 
@@ -181,7 +189,7 @@ def redistribute_physical(x: tf.Tensor, src: DTensorSpec, dst: DTensorSpec) -> t
         for d in dst_shard
         if d not in cur_shard and cur_pad[d] != dst.padded_size(d)
     }
-    x = _resize_dims(x, lead, grow)
+    x = _resize_dims(x, lead, grow, physical_layout(root, cur, ndim))
     x = dtensor.relayout(x, dst.tf_layout)
     # Drop the padding of dims that are replicated now.
     shrink = {
@@ -189,7 +197,4 @@ def redistribute_physical(x: tf.Tensor, src: DTensorSpec, dst: DTensorSpec) -> t
         for d in range(ndim)
         if d not in dst_shard and x.shape[lead + d] != src.shape[d]
     }
-    x = _resize_dims(x, lead, shrink)
-    if shrink:
-        x = dtensor.relayout(x, dst.tf_layout)
-    return x
+    return _resize_dims(x, lead, shrink, dst.tf_layout)
