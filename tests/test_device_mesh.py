@@ -111,8 +111,8 @@ def test_bad_slice_and_dims(mesh_2d):
         mesh_2d["tp", "dp"]
     with pytest.raises(ValueError, match="mesh_dim 'pp' is not a dim"):
         mesh_2d.size("pp")
-    with pytest.raises(ValueError, match="each of the 8 CPU device ids"):
-        DeviceMesh("cpu", [0, 1, 2, 3])
+    with pytest.raises(ValueError, match="distinct CPU device ids in 0..7"):
+        DeviceMesh("cpu", [0, 1, 1, 3])
 
 
 def test_virtual_cpus_same_count_is_harmless():

@@ -63,7 +63,7 @@ def _build_tf_mesh(
     positions = list(range(first, first + n_local))
     flat = ids.ravel().tolist()
     owned = flat[first:first + n_local]
-    if sorted(owned) != positions:
+    if _runtime.is_multi_client() and sorted(owned) != positions:
         raise ValueError(
             f"with {_runtime.get_world_size()} clients, client {_runtime.get_rank()} "
             f"must own mesh positions {positions[0]}..{positions[-1]}; its devices "
@@ -72,7 +72,7 @@ def _build_tf_mesh(
     # dtensor.local_devices gives fully qualified names (job/replica/task),
     # which TF DTensor needs to place the mesh.
     devices = dtensor.local_devices(device_type)
-    local_devices = [devices[i - first] for i in owned]
+    local_devices = [devices[i - first if _runtime.is_multi_client() else i] for i in owned]
     return dtensor.Mesh(
         dim_names=list(names),
         global_device_ids=np.arange(n_global).reshape(ids.shape),
@@ -127,10 +127,14 @@ class DeviceMesh:
                 f"Received: mesh={mesh!r}"
             )
         n = _runtime.num_global_devices(tf_type)
-        if sorted(ids.ravel().tolist()) != list(range(n)):
+        flat = ids.ravel().tolist()
+        subset_ok = not _runtime.is_multi_client()  # one client may use some of its devices
+        if len(set(flat)) != len(flat) or not all(0 <= i < n for i in flat) or (
+            len(flat) != n and not subset_ok
+        ):
             raise ValueError(
-                f"mesh must hold each of the {n} {tf_type} device ids 0..{n - 1} "
-                f"exactly once. Received: mesh={ids.tolist()!r}"
+                f"mesh must hold distinct {tf_type} device ids in 0..{n - 1}"
+                f"{'' if subset_ok else f', all {n} of them'}. Received: mesh={ids.tolist()!r}"
             )
         named = mesh_dim_names is not None
         names = (

@@ -1,10 +1,10 @@
 """Factory functions: zeros, ones, empty, full, rand, randn directly on a mesh.
 
-Constant values are produced already sharded: ``dtensor.call_with_layout``
-makes TF DTensor create only the local shard on every device, with no
-full-size tensor and no communication.  Random values are drawn replicated
-from one stateless seed and sliced locally, so that the same seed gives the
-same global tensor on any mesh (TF DTensor's own sharded random ops do not).
+Every value is produced already sharded, each device making only its shard
+with no communication: constants through ``dtensor.call_with_layout``,
+random values through the sharding-invariant scheme of ``_random`` (the
+same seed gives the same global tensor on any mesh, which TF DTensor's own
+sharded random ops do not).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from tensorflow.experimental import dtensor
 from tfdist.device_mesh import DeviceMesh, resolve_mesh
 from tfdist.tensor._api import DTensor
 from tfdist.tensor._layout import DTensorSpec, normalize_placements
-from tfdist.tensor._redistribute import redistribute_physical
-from tfdist.tensor.placement_types import Placement, Replicate
+from tfdist.tensor import _random as _random_lib
+from tfdist.tensor.placement_types import Placement
 
 __all__ = ["zeros", "ones", "empty", "full", "rand", "randn"]
 
@@ -34,16 +34,8 @@ def _size(size: tuple, caller: str) -> tuple[int, ...]:
     return tuple(size)
 
 
-def _make(
-    caller: str, make, size: tuple, dtype, device_mesh, placements, *, per_shard: bool = True
-) -> DTensor:
-    """Builds the value with ``make(shape, dtype)``.
-
-    ``per_shard``: ``make`` is position-independent (zeros, fill), so each
-    device creates just its shard.  Otherwise (random values) the value is
-    made replicated and sliced locally, so the global values do not depend on
-    the mesh or placements.
-    """
+def _make(caller: str, make, size: tuple, dtype, device_mesh, placements) -> DTensor:
+    """Builds a constant value with ``make(shape, dtype)``, each device only its shard."""
     shape = _size(size, caller)
     mesh = resolve_mesh(device_mesh, caller)
     placements = normalize_placements(placements, mesh, len(shape))
@@ -55,12 +47,8 @@ def _make(
             )
     spec = DTensorSpec(mesh, placements, shape)
     dtype = tf.as_dtype(dtype or tf.float32)
-    if per_shard:
-        physical = dtensor.call_with_layout(make, spec.tf_layout, shape=spec.physical_shape, dtype=dtype)
-        return DTensor._wrap(physical, spec)
-    replicated = DTensorSpec(mesh, (Replicate(),) * mesh.ndim, shape)
-    physical = dtensor.call_with_layout(make, replicated.tf_layout, shape=shape, dtype=dtype)
-    return DTensor._wrap(redistribute_physical(physical, replicated, spec), spec)
+    physical = dtensor.call_with_layout(make, spec.tf_layout, shape=spec.physical_shape, dtype=dtype)
+    return DTensor._wrap(physical, spec)
 
 
 def zeros(
@@ -105,33 +93,39 @@ def full(
     return _make("full", make, (tuple(size),), dtype, device_mesh, placements)
 
 
-def _random_seed() -> tf.Tensor:
+def _random_seed() -> tuple[int, int]:
     # A fresh seed pair per call from TF's global generator, so successive
-    # calls differ and tf.random.set_seed makes them reproducible.
-    return tf.random.get_global_generator().make_seeds(1)[:, 0]
+    # calls differ and tf.random.set_seed / reset_from_seed make them reproducible.
+    seeds = tf.random.get_global_generator().make_seeds(1)[:, 0].numpy()
+    return int(seeds[0]), int(seeds[1])
+
+
+def _random(caller: str, draw, size, dtype, device_mesh, placements) -> DTensor:
+    shape = _size(size, caller)
+    mesh = resolve_mesh(device_mesh, caller)
+    placements = normalize_placements(placements, mesh, len(shape))
+    if any(p.is_partial() for p in placements):
+        raise ValueError(f"{caller} cannot create Partial values. Received: placements={placements!r}")
+    spec = DTensorSpec(mesh, placements, shape)
+    dtype = tf.as_dtype(dtype or tf.float32)
+    return DTensor._wrap(draw(spec, _random_seed(), dtype), spec)
 
 
 def rand(
     *size: int, dtype: tf.DType | None = None, device_mesh: DeviceMesh | None = None,
     placements: Sequence[Placement] | None = None, requires_grad: bool = False,
 ) -> DTensor:
-    """Uniform [0, 1) values of global shape ``size``."""
-    seed = _random_seed()
+    """Uniform [0, 1) values of global shape ``size``.
 
-    def make(shape, dtype):
-        return tf.random.stateless_uniform(shape, seed=seed, dtype=dtype)
-
-    return _make("rand", make, size, dtype, device_mesh, placements, per_shard=False)
+    The same seed gives the same global values on any mesh and placements;
+    each device computes only its own shard (see ``_random``).
+    """
+    return _random("rand", _random_lib.uniform, size, dtype, device_mesh, placements)
 
 
 def randn(
     *size: int, dtype: tf.DType | None = None, device_mesh: DeviceMesh | None = None,
     placements: Sequence[Placement] | None = None, requires_grad: bool = False,
 ) -> DTensor:
-    """Standard normal values of global shape ``size``."""
-    seed = _random_seed()
-
-    def make(shape, dtype):
-        return tf.random.stateless_normal(shape, seed=seed, dtype=dtype)
-
-    return _make("randn", make, size, dtype, device_mesh, placements, per_shard=False)
+    """Standard normal values of global shape ``size`` (sharding-invariant, computed per shard)."""
+    return _random("randn", _random_lib.normal, size, dtype, device_mesh, placements)

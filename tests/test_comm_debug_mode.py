@@ -1,0 +1,94 @@
+"""CommDebugMode counts the collectives TensorFlow executes (from the profiler trace)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import make_mesh
+from tfdist.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from tfdist.tensor.debug import CommDebugMode
+from tfdist.tensor.debug._comm_mode import classify_kernel
+
+MESH_1D = make_mesh((8,))
+MESH = make_mesh((2, 4))
+X = np.arange(16 * 8, dtype=np.float32).reshape(16, 8)
+
+# What TF 2.21 executes on CPU per device, next to torch's minimal collective.
+# all_gather and reduce_scatter come out as one all-reduce each (docs/performance.md).
+CPU_TRANSITIONS = [
+    ([Shard(0)], [Replicate()], {"all_reduce": 1}),   # minimal: all_gather
+    ([Shard(0)], [Shard(1)], {"all_to_all": 1}),      # minimal: all_to_all
+    ([Replicate()], [Shard(0)], {}),                  # minimal: none
+    ([Shard(1)], [Shard(1)], {}),
+]
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
+@pytest.mark.parametrize("src, dst, want", CPU_TRANSITIONS, ids=lambda v: str(v))
+def test_shard_replicate_transitions(src, dst, want, graph):
+    d = distribute_tensor(X, MESH_1D, src)
+    move = (lambda t: t.redistribute(MESH_1D, dst))
+    if graph:
+        move = tf.function(move)
+        move(d)  # trace and warm up outside the counted window
+    with CommDebugMode() as comm:
+        out = move(d)
+    np.testing.assert_array_equal(out.numpy(), X)
+    assert comm.get_comm_counts() == want
+    assert comm.get_total_counts() == sum(want.values())
+
+
+@pytest.mark.parametrize("dst", [Replicate(), Shard(0)], ids=str)
+def test_partial_resolves_with_one_all_reduce(dst):
+    parts = [np.full((8, 4), c[1], np.float32) for c in MESH.local_coordinates()]
+    p = DTensor.from_local(parts, MESH, [Replicate(), Partial()])
+    with CommDebugMode() as comm:
+        out = p.redistribute(MESH, [Replicate(), dst])
+    np.testing.assert_array_equal(out.numpy(), np.full((8, 4), 6.0))
+    assert comm.get_comm_counts() == {"all_reduce": 1}  # minimal for Shard: reduce_scatter
+
+
+def test_megatron_mlp_forward_has_one_all_reduce():
+    x = distribute_tensor(np.ones((8, 16), np.float32), MESH, [Shard(0), Replicate()])
+    w1 = distribute_tensor(np.ones((16, 32), np.float32), MESH, [Replicate(), Shard(1)])
+    w2 = distribute_tensor(np.ones((32, 16), np.float32), MESH, [Replicate(), Shard(0)])
+    mlp = tf.function(lambda x, a, b: tf.nn.relu(x @ a) @ b)
+    mlp(x, w1, w2)
+    with CommDebugMode() as comm:
+        y = mlp(x, w1, w2)
+    np.testing.assert_array_equal(y.numpy(), np.full((8, 16), 16.0 * 32))
+    assert comm.get_comm_counts() == {"all_reduce": 1}
+
+
+def test_module_attribution_and_table():
+    d = distribute_tensor(X, MESH, [Shard(0), Shard(1)])
+    with CommDebugMode() as comm:
+        d.redistribute(MESH, [Shard(0), Replicate()])
+        with comm.module("block0.mlp"):
+            d.redistribute(MESH, [Replicate(), Shard(1)])
+            d + 1.0  # local: no collective
+    assert comm.get_comm_module_counts() == {
+        "Global": {"all_reduce": 1}, "block0.mlp": {"all_reduce": 1},
+    }
+    table = comm.generate_comm_debug_tracing_table(noise_level=1)
+    assert "block0.mlp" in table and "CollectiveReduceV2" in table
+    assert "total: 2 collective(s) per device" in table
+
+
+def test_kernel_classification():
+    assert classify_kernel("CollectiveReduceV2") == "all_reduce"
+    assert classify_kernel("CollectiveGatherV2") == "all_gather"
+    assert classify_kernel("CollectiveAllToAllV2") == "all_to_all"
+    assert classify_kernel("CollectiveReduceScatterV2") == "reduce_scatter"
+    assert classify_kernel("CollectiveBcastSendV2") == "broadcast"
+    assert classify_kernel("NcclAllReduce") == "all_reduce"
+    assert classify_kernel("MatMul") is None and classify_kernel("GatherV2") is None
+
+
+def test_nested_modes_are_refused():
+    with CommDebugMode():
+        with pytest.raises(RuntimeError, match="profiler, which is already running"):
+            with CommDebugMode():
+                pass
