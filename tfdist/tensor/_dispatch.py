@@ -10,6 +10,7 @@ mix DTensor and torch.Tensor.
 
 # No ``from __future__ import annotations`` here: TF dispatch reads the
 # handlers' annotations as real types.
+import functools
 import typing
 from typing import Any, Callable, Sequence
 
@@ -26,6 +27,17 @@ from tfdist.tensor.placement_types import Replicate
 __all__: list[str] = []
 
 _Other = typing.Union[tf.Tensor, np.ndarray, np.generic, int, float, bool, complex]
+
+# register_sharding: API -> runner that overrides the built-in rule.
+CUSTOM_STRATEGIES: dict[Callable, Callable] = {}
+# APIs that already have a tfdist dispatch handler.
+DISPATCHED_APIS: set[Callable] = set()
+
+
+def _custom(api_func) -> Callable | None:
+    """The registered runner for an API (elementwise handlers get a wrapped API)."""
+    base = getattr(api_func, "func", api_func)  # functools.partial of a unary API
+    return CUSTOM_STRATEGIES.get(base) or CUSTOM_STRATEGIES.get(getattr(base, "__wrapped__", None))
 
 
 def _root_spec(spec: DTensorSpec) -> DTensorSpec:
@@ -85,12 +97,18 @@ def run_op(
 # -- elementwise ------------------------------------------------------------------
 @tf.experimental.dispatch_for_unary_elementwise_apis(DTensor)
 def _unary(api_func, x):
+    custom = _custom(api_func)
+    if custom is not None:
+        return _call_custom(custom, api_func, x)
     spec = _root_spec(x._spec)
     strategy = prop.elementwise_strategy([spec], spec.shape)
     return run_op(api_func, [x], strategy, spec.shape)
 
 
 def _binary(api_func, x, y):
+    custom = _custom(api_func)
+    if custom is not None:
+        return custom(x, y)
     like = x if isinstance(x, DTensor) else y
     x = x if isinstance(x, DTensor) else _scalar_to_dtensor(x, like)
     y = y if isinstance(y, DTensor) else _scalar_to_dtensor(y, like)
@@ -112,6 +130,11 @@ def _matmul(
     adjoint_b=False, a_is_sparse=False, b_is_sparse=False, output_type=None,
     grad_a=False, grad_b=False, name=None,
 ):
+    if tf.linalg.matmul in CUSTOM_STRATEGIES:
+        return CUSTOM_STRATEGIES[tf.linalg.matmul](
+            a, b, transpose_a=transpose_a, transpose_b=transpose_b, adjoint_a=adjoint_a,
+            adjoint_b=adjoint_b, output_type=output_type,
+        )
     ta, tb = transpose_a or adjoint_a, transpose_b or adjoint_b
     for arg, x in (("a", a), ("b", b)):
         if x.ndim < 2:
@@ -161,6 +184,8 @@ def _axes(axis, ndim: int) -> list[int]:
 def _register_reduction(api):
     @tf.experimental.dispatch_for_api(api)
     def handler(input_tensor: DTensor, axis=None, keepdims=False, name=None):
+        if api in CUSTOM_STRATEGIES:
+            return CUSTOM_STRATEGIES[api](input_tensor, axis=axis, keepdims=keepdims)
         spec = _root_spec(input_tensor._spec)
         axes = _axes(axis, len(spec.shape))
         out_shape = tuple(
@@ -182,6 +207,8 @@ for _api in (
 # -- shape ops -----------------------------------------------------------------------
 @tf.experimental.dispatch_for_api(tf.reshape)
 def _reshape(tensor: DTensor, shape, name=None):
+    if tf.reshape in CUSTOM_STRATEGIES:
+        return CUSTOM_STRATEGIES[tf.reshape](tensor, shape)
     static = tf.get_static_value(tf.convert_to_tensor(shape))
     if static is None:
         raise ValueError(f"tf.reshape on a DTensor needs a static shape. Received: shape={shape!r}")
@@ -200,6 +227,8 @@ def _reshape(tensor: DTensor, shape, name=None):
 
 @tf.experimental.dispatch_for_api(tf.transpose)
 def _transpose(a: DTensor, perm=None, conjugate=False, name="transpose"):
+    if tf.transpose in CUSTOM_STRATEGIES:
+        return CUSTOM_STRATEGIES[tf.transpose](a, perm, conjugate=conjugate)
     ndim = a.ndim
     perm = list(range(ndim))[::-1] if perm is None else [int(p) % ndim for p in perm]
     if sorted(perm) != list(range(ndim)):
@@ -215,6 +244,8 @@ def _transpose(a: DTensor, perm=None, conjugate=False, name="transpose"):
 def _register_softmax(api):
     @tf.experimental.dispatch_for_api(api)
     def handler(logits: DTensor, axis=None, name=None):
+        if api in CUSTOM_STRATEGIES:
+            return CUSTOM_STRATEGIES[api](logits, axis=axis)
         axis = -1 if axis is None else axis
         spec = _root_spec(logits._spec)
         dim = axis % len(spec.shape)
@@ -225,3 +256,17 @@ def _register_softmax(api):
 
 for _api in (tf.nn.softmax, tf.nn.log_softmax):
     _register_softmax(_api)
+
+
+def _call_custom(custom: Callable, api_func, x):
+    """Unary elementwise APIs arrive as a partial with their extra arguments bound."""
+    if isinstance(api_func, functools.partial):
+        return custom(x, *api_func.args, **api_func.keywords)
+    return custom(x)
+
+
+DISPATCHED_APIS.update({
+    tf.linalg.matmul, tf.math.reduce_sum, tf.math.reduce_mean, tf.math.reduce_max,
+    tf.math.reduce_min, tf.math.reduce_prod, tf.reshape, tf.transpose, tf.nn.softmax,
+    tf.nn.log_softmax,
+})

@@ -112,6 +112,10 @@ class DTensorSpec:
     placements: tuple[Placement, ...]
     shape: tuple[int, ...]
 
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
     @functools.cached_property
     def root_placements(self) -> tuple[Placement, ...]:
         root = [Replicate()] * self.mesh.root_mesh.ndim
