@@ -1,0 +1,38 @@
+"""tfdist.keras: Keras 3 (TensorFlow backend) on TF DTensor.
+
+Importing it makes ``keras.distribution`` (DeviceMesh, TensorLayout,
+LayoutMap, DataParallel, ModelParallel, set_distribution) work on the
+TensorFlow backend, where Keras 3 leaves it unimplemented: variables become
+``dtensor.DVariable``s with the layouts the distribution gives, and
+``model.fit/evaluate/predict`` feed batch-sharded DTensors.
+
+Example::
+
+    import keras, tfdist, tfdist.keras
+    tfdist.virtual_cpus(8)
+    mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["dense.*kernel"] = (None, "model")
+    keras.distribution.set_distribution(
+        keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch"))
+    model = make_model(); model.compile(...); model.fit(x, y, batch_size=16)
+"""
+
+from __future__ import annotations
+
+import keras
+
+from tfdist.keras import _backend, _optimizer, _trainer, _variables
+
+if keras.backend.backend() != "tensorflow":
+    raise ImportError(
+        "tfdist.keras needs the TensorFlow backend of Keras 3; set KERAS_BACKEND=tensorflow "
+        f"before importing keras. Current backend: {keras.backend.backend()!r}"
+    )
+
+_backend.install()
+_variables.install()
+_optimizer.install()
+_trainer.install()
+
+__all__: list[str] = []

@@ -1,0 +1,105 @@
+"""The TF backend's half of ``keras.distribution``, which Keras 3 leaves empty.
+
+Keras' ``DeviceMesh``/``TensorLayout``/``LayoutMap``/``DataParallel``/
+``ModelParallel`` are backend-neutral; they reach the backend through
+``keras.src.backend.tensorflow.distribution_lib``.  tfdist fills that seam
+with TF DTensor: a Keras ``DeviceMesh`` becomes a tfdist ``DeviceMesh`` (one
+``dtensor.Mesh``), a ``TensorLayout`` a ``dtensor.Layout``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from tfdist import _runtime
+from tfdist.device_mesh import DeviceMesh
+
+__all__ = ["tfdist_mesh", "to_tf_layout", "distribute_tensor", "install"]
+
+
+@functools.lru_cache(maxsize=None)
+def _mesh_for(shape: tuple[int, ...], names: tuple[str, ...], device_type: str, ids: tuple[int, ...]) -> DeviceMesh:
+    return DeviceMesh(device_type, np.asarray(ids).reshape(shape), mesh_dim_names=names)
+
+
+def tfdist_mesh(keras_mesh: Any) -> DeviceMesh:
+    """The tfdist DeviceMesh of a ``keras.distribution.DeviceMesh`` (cached: one mesh per layout)."""
+    devices = [str(d) for d in np.asarray(keras_mesh.devices).ravel()]
+    kinds = {d.split(":")[0].lower() for d in devices}
+    if len(kinds) != 1:
+        raise ValueError(f"a DeviceMesh must hold one device type. Received: devices={devices}")
+    ids = tuple(int(d.split(":")[-1]) for d in devices)
+    return _mesh_for(tuple(keras_mesh.shape), tuple(keras_mesh.axis_names), kinds.pop(), ids)
+
+
+def _to_backend_mesh(keras_mesh: Any) -> dtensor.Mesh:
+    return tfdist_mesh(keras_mesh).to_tf()
+
+
+def to_tf_layout(tensor_layout: Any) -> dtensor.Layout:
+    """``keras.distribution.TensorLayout`` -> ``dtensor.Layout`` (None axes are unsharded)."""
+    if tensor_layout.device_mesh is None:
+        raise ValueError(
+            "a TensorLayout needs a device_mesh before it can be used; pass "
+            "device_mesh= or put it in a LayoutMap."
+        )
+    mesh = tfdist_mesh(tensor_layout.device_mesh)
+    specs = [dtensor.UNSHARDED if a is None else a for a in tensor_layout.axes]
+    for a in specs:
+        if a != dtensor.UNSHARDED and a not in mesh.axis_names:
+            raise ValueError(
+                f"TensorLayout axis {a!r} is not a mesh dim of {mesh.axis_names}. "
+                f"Received: axes={tensor_layout.axes!r}"
+            )
+    return dtensor.Layout(specs, mesh.to_tf())
+
+
+def _as_tf_layout(layout: Any) -> dtensor.Layout:
+    if isinstance(layout, dtensor.Layout):
+        return layout
+    return to_tf_layout(layout)
+
+
+def distribute_tensor(tensor: Any, layout: Any) -> tf.Tensor:
+    """Relayouts a value (eager or in a traced step) onto ``layout``."""
+    tf_layout = _as_tf_layout(layout)
+    tensor = tf.convert_to_tensor(tensor)
+    if tf.executing_eagerly() and not dtensor.is_dtensor(tensor):
+        tensor = dtensor.copy_to_mesh(tensor, dtensor.Layout.replicated(tf_layout.mesh, tensor.shape.rank))
+    return dtensor.relayout(tensor, tf_layout)
+
+
+def _distribute_variable(value: Any, layout: Any) -> dtensor.DVariable:
+    return dtensor.DVariable(distribute_tensor(value, layout))
+
+
+def _num_processes() -> int:
+    return _runtime.get_world_size()
+
+
+def _process_id() -> int:
+    return _runtime.get_rank()
+
+
+def _get_device_count(device_type: str | None = None) -> int:
+    kind = (device_type or _runtime.detect_device_type()).upper()
+    return _runtime.num_global_devices(kind)
+
+
+def install() -> None:
+    """Fills Keras' TF ``distribution_lib`` with the functions above."""
+    from keras.src.backend.tensorflow import distribution_lib as lib
+
+    lib._to_backend_mesh = _to_backend_mesh
+    lib._to_backend_layout = to_tf_layout
+    lib.distribute_tensor = distribute_tensor
+    lib.distribute_value = distribute_tensor
+    lib.distribute_variable = _distribute_variable
+    lib.num_processes = _num_processes
+    lib.process_id = _process_id
+    lib.get_device_count = _get_device_count

@@ -1,0 +1,67 @@
+"""Feeding batches to a distributed Keras model: host batches -> sharded TF DTensors.
+
+Each leaf of a batch (x, y, sample_weight; any nesting) is split along its
+first dim over the batch (data-parallel) mesh dim and placed with
+``dtensor.pack``: every device receives only its own slice, with no
+collective and no gather.  Scalars and tensors without a batch dim are
+replicated.  A batch whose size is not divisible by the data-parallel size
+is a clear error (tfdist does not pad batches, which would change the loss).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from tfdist.device_mesh import DeviceMesh
+
+__all__ = ["shard_batch", "gather_to_numpy"]
+
+
+def _pack(t: tf.Tensor, mesh: DeviceMesh, batch_axis: int | None) -> tf.Tensor:
+    tf_mesh = mesh.to_tf()
+    rank = t.shape.rank
+    if rank == 0 or batch_axis is None:
+        return dtensor.copy_to_mesh(t, dtensor.Layout.replicated(tf_mesh, rank))
+    k = mesh.shape[batch_axis]
+    n = t.shape[0]
+    if n % k:
+        raise ValueError(
+            f"a batch of {n} samples cannot be split over the {k} devices of the "
+            f"data-parallel mesh dim {mesh.axis_names[batch_axis]!r}. Use a batch_size "
+            f"divisible by {k} and drop the remainder (tf.data: .batch(..., "
+            f"drop_remainder=True); arrays: use a multiple of the batch size)."
+        )
+    c = n // k
+    blocks = [t[c * coord[batch_axis]: c * (coord[batch_axis] + 1)] for coord in mesh.local_coordinates()]
+    layout = dtensor.Layout([mesh.axis_names[batch_axis]] + [dtensor.UNSHARDED] * (rank - 1), tf_mesh)
+    return dtensor.pack(blocks, layout)
+
+
+def shard_batch(data: Any, mesh: DeviceMesh, batch_axis: int | None) -> Any:
+    """Every tensor leaf of ``data`` as a TF DTensor sharded on its batch dim."""
+
+    def one(x):
+        if x is None:
+            return None
+        if isinstance(x, (tf.Tensor, np.ndarray)) or np.isscalar(x):
+            t = tf.convert_to_tensor(x)
+            if dtensor.is_dtensor(t):
+                return t
+            return _pack(t, mesh, batch_axis)
+        return x
+
+    return tf.nest.map_structure(one, data)
+
+
+def gather_to_numpy(t: Any) -> Any:
+    """A (possibly sharded) TF DTensor as one numpy array on the host."""
+    if not isinstance(t, tf.Tensor) or not dtensor.is_dtensor(t):
+        return t.numpy() if hasattr(t, "numpy") else t
+    layout = dtensor.fetch_layout(t)
+    if not layout.is_fully_replicated():
+        t = dtensor.relayout(t, dtensor.Layout.replicated(layout.mesh, t.shape.rank))
+    return dtensor.unpack(t)[0].numpy()

@@ -1,0 +1,77 @@
+"""Keras optimizers on DTensor: dense updates, slot layouts, reads after writes.
+
+* Writes go through ``_variables.write`` so that a later read in the same
+  step sees the written value (the TF DTensor stale-read bug).
+* An ``IndexedSlices`` gradient (an Embedding's) is made dense: DTensor has
+  no layout for ``ResourceScatterAdd``, and the dense form is textbook Adam
+  (Keras 3's sparse Adam squares each repeated row separately, see
+  shared/known-issues/keras3_adam_duplicate_indexed_slices.py).
+* Slot variables (Adam moments, ...) take the layout of their parameter.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from tfdist.keras import _variables
+
+__all__ = ["install"]
+
+
+def _dense(value):
+    if isinstance(value, tf.IndexedSlices):
+        return tf.convert_to_tensor(value)
+    return value
+
+
+def install() -> None:
+    from keras.src import backend
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+
+    if getattr(TFOptimizer, "_tfdist_installed", False):
+        return
+    originals = {n: getattr(TFOptimizer, n) for n in ("assign", "assign_add", "assign_sub")}
+
+    def _target(variable):
+        return variable._value if isinstance(variable, backend.Variable) else variable
+
+    def make(name, combine):
+        original = originals[name]
+
+        def method(self, variable, value):
+            dvar = _target(variable)
+            if not isinstance(dvar, dtensor.DVariable):
+                return original(self, variable, value)
+            value = tf.cast(_dense(value), dvar.dtype)
+            new = combine(_variables.current_value(dvar), value)
+            _variables.write(dvar, new)
+
+        method.__name__ = name
+        return method
+
+    TFOptimizer.assign = make("assign", lambda old, v: v)
+    TFOptimizer.assign_add = make("assign_add", lambda old, v: old + v)
+    TFOptimizer.assign_sub = make("assign_sub", lambda old, v: old - v)
+
+    original_from_reference = TFOptimizer.add_variable_from_reference
+
+    def add_variable_from_reference(self, reference_variable, name=None, initializer="zeros"):
+        inner = _target(reference_variable)
+        layout = None
+        if isinstance(inner, dtensor.DVariable):
+            layout = _variables.layout_of(inner)
+        with _variables.layout_scope(layout):
+            return original_from_reference(self, reference_variable, name=name, initializer=initializer)
+
+    TFOptimizer.add_variable_from_reference = add_variable_from_reference
+
+    original_update = TFOptimizer._backend_update_step
+
+    def _backend_update_step(self, grads, trainable_variables, learning_rate):
+        if any(_variables.is_dtensor_variable(v) for v in trainable_variables):
+            grads = [_dense(g) for g in grads]
+        return original_update(self, grads, trainable_variables, learning_rate)
+
+    TFOptimizer._backend_update_step = _backend_update_step
+    TFOptimizer._tfdist_installed = True

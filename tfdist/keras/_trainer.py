@@ -1,0 +1,128 @@
+"""model.fit / evaluate / predict for models whose variables are DVariables.
+
+Keras' TF trainer pulls batches inside a ``tf.function`` (``IteratorGetNext``),
+which TF DTensor cannot lay out (tf_keras fails the same way unless fed a
+``DTensorDataset``).  For distributed models tfdist iterates the epoch's
+``tf.data`` iterator eagerly -- so numpy arrays, ``tf.data.Dataset``s and
+Python generators all work -- shards each batch with ``shard_batch`` and runs
+only the step itself as a ``tf.function``.  Everything else of Keras' loop
+(callbacks, progress bar, History, validation, class/sample weights) is
+unchanged.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import tensorflow as tf
+
+from tfdist.keras import _data, _variables
+
+__all__ = ["install", "mesh_of", "check_layout_map"]
+
+
+def mesh_of(model):
+    """(root tfdist DeviceMesh, batch mesh dim index or None) of a distributed model."""
+    from keras.src.distribution import distribution_lib
+
+    from tfdist.keras._backend import tfdist_mesh
+
+    distribution = distribution_lib.distribution()
+    tf_mesh = None
+    for v in model.variables:
+        if _variables.is_dtensor_variable(v):
+            tf_mesh = _variables.layout_of(v._value).mesh
+            break
+    if tf_mesh is None:
+        return None, None
+    from tfdist.device_mesh import DeviceMesh
+
+    mesh = DeviceMesh.from_tf(tf_mesh)
+    batch_axis = None
+    name = getattr(distribution, "batch_dim_name", None) if distribution is not None else None
+    if name is None:
+        name = getattr(model, "_tfdist_batch_dim", None)
+    if name is not None and name in mesh.axis_names:
+        batch_axis = mesh.axis_names.index(name)
+    if distribution is not None and tfdist_mesh(distribution.device_mesh).to_tf() != tf_mesh:
+        raise ValueError(
+            "the active keras distribution uses another mesh than the model's variables; "
+            "create the model under the distribution it trains with."
+        )
+    return mesh, batch_axis
+
+
+def check_layout_map(model) -> None:
+    """Every LayoutMap key must match a variable: a silently replicated model is an error."""
+    from keras.src.distribution import distribution_lib
+
+    distribution = distribution_lib.distribution()
+    layout_map = getattr(distribution, "_layout_map", None)
+    if layout_map is None or getattr(model, "_tfdist_layout_map_checked", False):
+        return
+    paths = [v.path for v in model.variables]
+    unused = [k for k in layout_map if k not in paths and not any(re.fullmatch(k, p) for p in paths)]
+    if unused:
+        raise ValueError(
+            f"LayoutMap keys {unused} match no variable of the model, so what they "
+            f"describe would silently stay replicated. The model's variable paths are: "
+            f"{paths[:12]}{' ...' if len(paths) > 12 else ''}. Fix the regular expressions."
+        )
+    model._tfdist_layout_map_checked = True
+
+
+def _distributed(model) -> bool:
+    return any(_variables.is_dtensor_variable(v) for v in model.variables)
+
+
+def install() -> None:
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    if getattr(TensorFlowTrainer, "_tfdist_installed", False):
+        return
+    original_make = TensorFlowTrainer._make_function
+    original_predict = TensorFlowTrainer.make_predict_function
+
+    def _make_function(self, step_function):
+        if not _distributed(self):
+            return original_make(self, step_function)
+        check_layout_map(self)
+        mesh, batch_axis = mesh_of(self)
+        one_step = step_function if self.run_eagerly else tf.function(step_function, reduce_retracing=True)
+
+        def function(iterator):
+            outputs = None
+            for _, data in zip(range(self.steps_per_execution), iterator):
+                outputs = one_step(_data.shard_batch(data, mesh, batch_axis))
+            if outputs is None:
+                raise StopIteration
+            return outputs
+
+        return function
+
+    def make_predict_function(self, force=False):
+        if not _distributed(self):
+            return original_predict(self, force=force)
+        if self.predict_function is not None and not force:
+            return self.predict_function
+        check_layout_map(self)
+        mesh, batch_axis = mesh_of(self)
+        step = self.predict_step if self.run_eagerly else tf.function(self.predict_step, reduce_retracing=True)
+
+        def predict_function(data):
+            outputs = None
+            for batch in data:
+                out = step(_data.shard_batch(batch, mesh, batch_axis))
+                out = tf.nest.map_structure(_data.gather_to_numpy, out)
+                outputs = out if outputs is None else tf.nest.map_structure(
+                    lambda a, b: np.concatenate([a, b]), outputs, out
+                )
+            return outputs
+
+        self.predict_function = predict_function
+        return predict_function
+
+    TensorFlowTrainer._make_function = _make_function
+    TensorFlowTrainer.make_predict_function = make_predict_function
+    TensorFlowTrainer._tfdist_installed = True

@@ -1,0 +1,249 @@
+"""Keras variables backed by ``dtensor.DVariable``s, and correct reads after writes.
+
+Creation: a Keras TF variable keeps a ``tf.Variable`` in ``_value``.  When
+tfdist knows a layout for a new variable -- set by ``parallelize_module`` on
+its layer, by the optimizer for a slot of a sharded parameter, or by the
+active ``keras.distribution`` -- the initial value (computed unsharded, so
+it is the same on any mesh) is laid out and ``_value`` becomes a DVariable.
+
+Reads after writes: on a 2-D mesh TF DTensor returns the *old* value when a
+DVariable is read after its own assignment inside a ``tf.function``
+(``shared/known-issues/dtensor_stale_read_after_write.py``), which silently
+breaks Keras optimizers and metrics.  tfdist records, per traced graph, the
+value last written to each DVariable and serves reads in that graph from it:
+the program then reads "the value it computed", which TF DTensor gets right.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+__all__ = [
+    "is_dtensor_variable",
+    "current_value",
+    "record_write",
+    "to_dvariable",
+    "layout_scope",
+    "install",
+]
+
+_state = threading.local()
+# graph -> {id(DVariable): latest value tensor in that graph}
+_LATEST: "weakref.WeakKeyDictionary[Any, dict[int, tf.Tensor]]" = weakref.WeakKeyDictionary()
+
+
+def layout_of(dvariable: dtensor.DVariable) -> dtensor.Layout:
+    """A DVariable's layout, also while a tf.function is being traced."""
+    layout = getattr(dvariable, "layout", None)
+    if layout is not None:
+        return layout
+    with tf.init_scope():
+        return dtensor.fetch_layout(dvariable.read_value())
+
+
+def is_dtensor_variable(variable: Any) -> bool:
+    inner = getattr(variable, "_value", variable)
+    return isinstance(inner, dtensor.DVariable)
+
+
+def _graph_cache() -> dict[int, tf.Tensor] | None:
+    if tf.executing_eagerly():
+        return None
+    graph = tf.compat.v1.get_default_graph()
+    cache = _LATEST.get(graph)
+    if cache is None:
+        cache = {}
+        _LATEST[graph] = cache
+    return cache
+
+
+def current_value(dvariable: dtensor.DVariable) -> tf.Tensor:
+    """The value of ``dvariable`` as this program last wrote it (or a fresh read)."""
+    cache = _graph_cache()
+    if cache is not None and id(dvariable) in cache:
+        return cache[id(dvariable)]
+    return dvariable.read_value()
+
+
+def record_write(dvariable: dtensor.DVariable, value: tf.Tensor) -> None:
+    cache = _graph_cache()
+    if cache is not None:
+        cache[id(dvariable)] = value
+
+
+def write(dvariable: dtensor.DVariable, value: tf.Tensor) -> tf.Tensor:
+    """Assigns and records, so later reads in the same graph see ``value``."""
+    value = tf.cast(tf.convert_to_tensor(value), dvariable.dtype)
+    dvariable.assign(value)
+    record_write(dvariable, value)
+    return value
+
+
+# -- where a new variable's layout comes from -----------------------------------
+class layout_scope:
+    """Within it, the next variables created take ``layout`` (optimizer slots)."""
+
+    def __init__(self, layout: dtensor.Layout | None) -> None:
+        self.layout = layout
+
+    def __enter__(self) -> None:
+        stack = getattr(_state, "slot_layouts", [])
+        stack.append(self.layout)
+        _state.slot_layouts = stack
+
+    def __exit__(self, *exc: object) -> None:
+        _state.slot_layouts.pop()
+
+
+def _current_layer() -> Any:
+    stack = getattr(_state, "layers", [])
+    return stack[-1] if stack else None
+
+
+def _pick_layout(variable: Any) -> dtensor.Layout | None:
+    slot = getattr(_state, "slot_layouts", [])
+    if slot and slot[-1] is not None:
+        return slot[-1]
+    layer = _current_layer()
+    pending = getattr(layer, "_tfdist_weight_layouts", None) if layer is not None else None
+    if pending:
+        layout_fn = pending.get(variable.name)
+        if layout_fn is not None:
+            return layout_fn(len(variable.shape))
+    from keras.src.distribution import distribution_lib
+
+    distribution = distribution_lib.distribution()
+    if distribution is None:
+        return None
+    layout = distribution.get_variable_layout(variable)
+    if layout is None:
+        return None
+    from tfdist.keras._backend import _as_tf_layout
+
+    return _as_tf_layout(layout)
+
+
+def _check_divisible(variable: Any, layout: dtensor.Layout) -> None:
+    shape = tuple(variable.shape)
+    mesh_shape = dict(zip(layout.mesh.dim_names, layout.mesh.shape()))
+    for d, spec in enumerate(layout.sharding_specs):
+        if spec in mesh_shape and shape[d] % mesh_shape[spec]:
+            raise ValueError(
+                f"variable '{variable.path}' has shape {shape}; dim {d} ({shape[d]}) "
+                f"is not divisible by mesh dim {spec!r} of size {mesh_shape[spec]}. "
+                "Keras variables need even shards: choose a size divisible by the "
+                "mesh dim, or leave this variable replicated."
+            )
+
+
+def to_dvariable(variable: Any, layout: dtensor.Layout) -> None:
+    """Moves an existing Keras variable onto ``layout`` (in place)."""
+    from tfdist.keras._backend import distribute_tensor
+
+    _check_divisible(variable, layout)
+    old = variable._value
+    value = old.read_value() if isinstance(old, tf.Variable) else tf.convert_to_tensor(old)
+    if isinstance(old, dtensor.DVariable):
+        if layout_of(old) == layout:
+            return
+        value = dtensor.relayout(value, dtensor.Layout.replicated(layout.mesh, value.shape.rank))
+        value = dtensor.unpack(value)[0]
+    variable._value = dtensor.DVariable(
+        distribute_tensor(value, layout), trainable=variable.trainable, name=variable.name
+    )
+
+
+def install() -> None:
+    from keras.src.backend.common import KerasVariable
+    from keras.src.backend.tensorflow import core
+    from keras.src.layers.layer import Layer
+
+    Variable = core.Variable
+    if getattr(Variable, "_tfdist_installed", False):
+        return
+    original_initialize = Variable._initialize
+    original_direct_assign = Variable._direct_assign
+
+    def _initialize(self, value):
+        if isinstance(value, tf.Variable):
+            return original_initialize(self, value)
+        if not callable(value) and getattr(self, "_shape", None) is None:
+            # a variable given a value (not an initializer) learns its shape from it
+            value = tf.cast(tf.convert_to_tensor(value), self._dtype)
+            self._shape = tuple(value.shape)
+        layout = _pick_layout(self)
+        if layout is None:
+            return original_initialize(self, value)
+        from tfdist.keras._backend import distribute_tensor
+
+        _check_divisible(self, layout)
+        # Variables may be created while a step is traced (optimizer slots):
+        # their initial value must be made eagerly.
+        with tf.init_scope():
+            if callable(value):
+                value = value()
+            value = tf.cast(tf.convert_to_tensor(value), self._dtype)
+            self._value = dtensor.DVariable(
+                distribute_tensor(value, layout), trainable=self.trainable, name=self.name
+            )
+
+    def _direct_assign(self, value):
+        if isinstance(self._value, dtensor.DVariable):
+            write(self._value, value)
+        else:
+            original_direct_assign(self, value)
+
+    base_value = KerasVariable.value.fget
+
+    def value(self):
+        inner = self.__dict__.get("_value")
+        if isinstance(inner, dtensor.DVariable):
+            cache = _graph_cache()
+            if cache is not None and id(inner) in cache:
+                return self._maybe_autocast(cache[id(inner)])
+        return base_value(self)
+
+    def handle(self):
+        return self._value.handle
+
+    original_numpy = Variable.numpy
+    original_array = KerasVariable.__array__
+
+    def numpy(self):
+        if isinstance(self._value, dtensor.DVariable):
+            from tfdist.keras._data import gather_to_numpy
+
+            return gather_to_numpy(self._value.read_value())
+        return original_numpy(self)
+
+    def __array__(self, dtype=None, *args, **kwargs):
+        if isinstance(self._value, dtensor.DVariable):
+            out = numpy(self)
+            return out.astype(dtype) if dtype is not None else out
+        return original_array(self, dtype, *args, **kwargs)
+
+    original_add_weight = Layer.add_weight
+
+    def add_weight(self, *args, **kwargs):
+        # lets the creation hook see which layer a new weight belongs to
+        stack = getattr(_state, "layers", [])
+        stack.append(self)
+        _state.layers = stack
+        try:
+            return original_add_weight(self, *args, **kwargs)
+        finally:
+            stack.pop()
+
+    Variable._initialize = _initialize
+    Variable._direct_assign = _direct_assign
+    Variable.value = property(value)
+    Variable.handle = property(handle)
+    Variable.numpy = numpy
+    Variable.__array__ = __array__
+    Layer.add_weight = add_weight
+    Variable._tfdist_installed = True
