@@ -339,6 +339,12 @@ class DTensor(tf.experimental.ExtensionType):
         dst = _target_spec(src, device_mesh, placements)
         return DTensor._wrap(redistribute_physical(self._physical, src, dst), dst)
 
+    # Keras layers take "tensors" only (``tf.is_tensor``); a DTensor is one, and
+    # ``tf.convert_to_tensor`` turns it into its TF DTensor (registered below).
+    @property
+    def is_tensor_like(self) -> bool:
+        return True
+
     # -- Python operators (dispatched to TF ops, see _dispatch) --------------------
     def __add__(self, other): return tf.math.add(self, other)
     def __radd__(self, other): return tf.math.add(other, self)
@@ -556,3 +562,14 @@ def _world_size() -> int:
     from tfdist import _runtime
 
     return _runtime.get_world_size()
+
+
+def _convert_to_tf(value: DTensor, dtype=None, name=None, as_ref=False) -> tf.Tensor:
+    out = value.to_tf()
+    if dtype is not None and out.dtype != dtype:
+        raise ValueError(f"cannot convert a {out.dtype.name} DTensor to {tf.as_dtype(dtype).name}")
+    return out
+
+
+# tf.convert_to_tensor(dtensor) -> the TF DTensor holding the same global value.
+tf.register_tensor_conversion_function(DTensor, _convert_to_tf)

@@ -61,9 +61,9 @@ def _scalar_to_dtensor(value: Any, like: DTensor) -> DTensor:
     rank = value.shape.rank if isinstance(value, tf.Tensor) else np.ndim(value)
     if rank:
         raise TypeError(
-            f"a DTensor op got a plain tensor of shape {tuple(np.shape(value))}; mixing "
-            "DTensor and non-scalar tensors is not allowed (as in torch). Distribute "
-            "it first: distribute_tensor(t, mesh, [Replicate()] * mesh.ndim)."
+            f"a DTensor op got a plain tensor of shape {tuple(np.shape(value))} that "
+            "lives on no mesh; mixing DTensor with such tensors is not allowed (as in "
+            "torch). Distribute it first: distribute_tensor(t, mesh, placements)."
         )
     t = value if isinstance(value, tf.Tensor) else tf.convert_to_tensor(value, dtype=like.dtype)
     mesh = like.device_mesh
@@ -105,10 +105,26 @@ def _unary(api_func, x):
     return run_op(api_func, [x], strategy, spec.shape)
 
 
+def _is_raw_tf_dtensor(value: Any) -> bool:
+    """A layout-carrying TF tensor: a TF DTensor in eager, any tensor in a traced DTensor program."""
+    if not isinstance(value, tf.Tensor):
+        return False
+    return not tf.executing_eagerly() or dtensor.is_dtensor(value)
+
+
+def _mixed(api_func, args: Sequence[Any]):
+    """DTensor mixed with raw TF DTensors: run the raw TF op (raw result), as TF DTensor would."""
+    raw = [a.to_tf() if isinstance(a, DTensor) else a for a in args]
+    return api_func(*raw)
+
+
 def _binary(api_func, x, y):
     custom = _custom(api_func)
     if custom is not None:
         return custom(x, y)
+    other = y if isinstance(x, DTensor) else x
+    if not isinstance(other, DTensor) and _is_raw_tf_dtensor(other) and other.shape.rank:
+        return _mixed(api_func, (x, y))
     like = x if isinstance(x, DTensor) else y
     x = x if isinstance(x, DTensor) else _scalar_to_dtensor(x, like)
     y = y if isinstance(y, DTensor) else _scalar_to_dtensor(y, like)
@@ -158,9 +174,18 @@ def _matmul_mixed(
     grad_b=False, name=None,
 ):
     plain = "b" if isinstance(a, DTensor) else "a"
+    if _is_raw_tf_dtensor(b if plain == "b" else a):
+        return _mixed(
+            lambda x, y: tf.linalg.matmul(
+                x, y, transpose_a=transpose_a, transpose_b=transpose_b,
+                adjoint_a=adjoint_a, adjoint_b=adjoint_b, output_type=output_type,
+            ),
+            (a, b),
+        )
     raise TypeError(
-        f"tf.matmul got a DTensor and a plain tensor ({plain}); mixing them is not "
-        "allowed (as in torch). Distribute it first: distribute_tensor(t, mesh, placements)."
+        f"tf.matmul got a DTensor and a plain tensor ({plain}) that lives on no mesh; "
+        "mixing them is not allowed (as in torch). Distribute it first: "
+        "distribute_tensor(t, mesh, placements)."
     )
 
 

@@ -1,0 +1,374 @@
+"""Tensor-parallel styles for Keras layers (torch.distributed.tensor.parallel.style).
+
+A style lays out a layer's weights on the tensor-parallel mesh dim and
+relayouts its inputs and outputs, so that TF DTensor runs the Megatron
+pattern: ``ColwiseParallel`` shards output features (no communication in
+the forward), ``RowwiseParallel`` shards input features (one all-reduce, or
+a reduce-scatter with ``output_layouts=Shard(1)``), ``SequenceParallel``
+shards the sequence dim of norms and dropout.
+
+``use_local_output`` in TensorFlow: every activation is a TF DTensor -- a
+``tf.Tensor`` that carries its layout, which Keras layers and TF ops take
+as they are.  ``use_local_output=True`` returns that ``tf.Tensor``;
+``use_local_output=False`` returns a tfdist ``DTensor`` wrapping it (its
+placements visible, usable by tfdist code and, being tensor-like, by Keras
+layers too).  The meaning is the same in every style.
+
+Activations keep their data-parallel sharding: when the tensor-parallel
+mesh is a slice (``mesh["tp"]``) of a 2-D mesh, dim 0 (the batch) stays
+sharded on the other mesh dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from tfdist.device_mesh import DeviceMesh
+from tfdist.tensor._layout import DTensorSpec, normalize_placements, physical_layout
+from tfdist.tensor.parallel import _keras_layers as kl
+from tfdist.tensor.placement_types import Partial, Placement, Replicate, Shard
+
+__all__ = [
+    "ParallelStyle",
+    "ColwiseParallel",
+    "RowwiseParallel",
+    "SequenceParallel",
+    "PrepareModuleInput",
+    "PrepareModuleOutput",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Context:
+    """Where a style applies: the TP mesh (1-D, maybe a slice) and the batch mesh dim."""
+
+    mesh: DeviceMesh
+    batch_axis: int | None
+    fqn: str
+
+    @property
+    def root(self) -> DeviceMesh:
+        return self.mesh.root_mesh
+
+    def root_placements(self, placements: Sequence[Placement], rank: int) -> tuple[Placement, ...]:
+        placements = normalize_placements(tuple(placements), self.mesh, rank)
+        root: list[Placement] = [Replicate()] * self.root.ndim
+        for d, p in zip(self.mesh.root_dims, placements):
+            root[d] = p
+        if (
+            self.batch_axis is not None and rank >= 1 and root[self.batch_axis].is_replicate()
+            and not any(p.is_shard(0) for p in root)
+        ):
+            root[self.batch_axis] = Shard(0)  # activations stay batch-sharded
+        return tuple(root)
+
+    def weight_layout(self, placements: Sequence[Placement]):
+        def layout(rank: int) -> dtensor.Layout:
+            p = normalize_placements(tuple(placements), self.mesh, rank)
+            root: list[Placement] = [Replicate()] * self.root.ndim
+            for d, q in zip(self.mesh.root_dims, p):
+                root[d] = q
+            return physical_layout(self.root, root, rank)
+
+        return layout
+
+    def to_layout(self, x: Any, placements: Sequence[Placement] | None, use_local_output: bool = True) -> Any:
+        """Relayouts activation ``x`` to ``placements`` on the TP mesh (None: leave it)."""
+        if placements is None or x is None or kl.is_symbolic(x):
+            return x
+        x = kl.as_tf(x)
+        if not isinstance(x, tf.Tensor):
+            return x
+        x = kl.on_mesh(x, self.root.to_tf())
+        rank = x.shape.rank
+        root = self.root_placements(placements, rank)
+        for m, p in enumerate(root):
+            if isinstance(p, Shard) and x.shape[p.dim] is not None and x.shape[p.dim] % self.root.shape[m]:
+                raise ValueError(
+                    f"layer {self.fqn!r}: dim {p.dim} of an activation of shape "
+                    f"{tuple(x.shape)} is not divisible by mesh dim "
+                    f"{self.root.axis_names[m]!r} ({self.root.shape[m]}); choose sizes "
+                    "divisible by the tensor-parallel degree."
+                )
+        y = dtensor.relayout(x, physical_layout(self.root, root, rank))
+        if use_local_output:
+            return y
+        from tfdist.tensor._api import DTensor
+
+        spec = DTensorSpec(self.root, root, tuple(y.shape.as_list()))
+        return DTensor._wrap(y, spec)
+
+
+def _one(layouts: Placement | Sequence[Placement] | None, default: Placement) -> tuple[Placement, ...]:
+    if layouts is None:
+        return (default,)
+    if isinstance(layouts, Placement):
+        return (layouts,)
+    return tuple(layouts)
+
+
+def _check_no_partial(name: str, placements: tuple[Placement, ...]) -> None:
+    if any(isinstance(p, Partial) for p in placements):
+        raise ValueError(
+            f"{name} cannot be Partial for a Keras layer: TF DTensor resolves partial sums "
+            f"inside the op. Received: {placements!r}"
+        )
+
+
+class ParallelStyle:
+    """Base class: a style lays out one layer for tensor parallelism."""
+
+    def _apply(self, layer: Any, ctx: _Context) -> Any:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+def _unsupported(style: str, layer: Any, ctx: _Context, supported: str) -> TypeError:
+    return TypeError(
+        f"{style} does not support layer {ctx.fqn!r} of type {type(layer).__name__}; "
+        f"it supports {supported}."
+    )
+
+
+def _einsum_parts(layer: Any) -> tuple[str, str, str]:
+    eq = layer.equation.replace(" ", "")
+    lhs, out = eq.split("->")
+    inp, ker = lhs.split(",")
+    return inp, ker, out
+
+
+class ColwiseParallel(ParallelStyle):
+    """Shards a layer's output features (torch: ``Linear`` weight ``Shard(0)``).
+
+    Keras ``Dense`` kernel ``[in, out]`` -> ``Shard(1)``, bias ``Shard(0)``;
+    ``Embedding`` table ``[vocab, dim]`` -> ``Shard(1)``; ``EinsumDense`` ->
+    the first kernel dim that appears in the output only (the heads of a
+    ``MultiHeadAttention`` query/key/value projection).  The input is made
+    ``Replicate`` (``input_layouts``), the output is sharded on that feature
+    dim (``output_layouts``, default ``Shard(-1)``).  No communication in the
+    forward pass; the backward all-reduces the input gradient.
+    """
+
+    def __init__(self, *, input_layouts=None, output_layouts=None, use_local_output: bool = True) -> None:
+        self.input_layouts = _one(input_layouts, Replicate())
+        self.output_layouts = None if output_layouts is None else _one(output_layouts, Shard(-1))
+        self.use_local_output = use_local_output
+        _check_no_partial("output_layouts", self.output_layouts or ())
+
+    def _plan(self, layer: Any, ctx: _Context) -> tuple[dict[str, list], tuple[Placement, ...]]:
+        keras = kl._keras()
+        if isinstance(layer, keras.layers.EinsumDense):
+            inp, ker, out = _einsum_parts(layer)
+            free = [c for c in ker if c in out and c not in inp]
+            if not free:
+                raise _unsupported("ColwiseParallel", layer, ctx, "EinsumDense with an output feature dim")
+            letter = free[0]
+            weights = {"kernel": [Shard(ker.index(letter))]}
+            bias_axes = getattr(layer, "bias_axes", None) or ""
+            if bias_axes and letter in bias_axes:
+                weights["bias"] = [Shard(bias_axes.index(letter))]
+            return weights, (Shard(out.index(letter) - len(out)),)
+        if isinstance(layer, keras.layers.Embedding):
+            return {"embeddings": [Shard(1)]}, (Shard(-1),)
+        if isinstance(layer, keras.layers.Dense):
+            return {"kernel": [Shard(1)], "bias": [Shard(0)]}, (Shard(-1),)
+        raise _unsupported("ColwiseParallel", layer, ctx, "Dense, EinsumDense, Embedding")
+
+    def _apply(self, layer: Any, ctx: _Context) -> Any:
+        weights, natural_out = self._plan(layer, ctx)
+        for name, placements in weights.items():
+            if name == "bias" and not getattr(layer, "use_bias", True):
+                continue
+            kl.set_weight_layout(layer, name, ctx.weight_layout(placements))
+        out_layouts = self.output_layouts or natural_out
+
+        def before(args, kwargs):
+            return (ctx.to_layout(args[0], self.input_layouts),) + tuple(args[1:]), kwargs
+
+        def after(outputs):
+            return ctx.to_layout(outputs, out_layouts, self.use_local_output)
+
+        kl.wrap_call(layer, before, after)
+        return layer
+
+
+class RowwiseParallel(ParallelStyle):
+    """Shards a layer's input features (torch: ``Linear`` weight ``Shard(1)``).
+
+    Keras ``Dense`` kernel -> ``Shard(0)`` (bias replicated); ``EinsumDense``
+    -> the first contracted kernel dim (the heads of a ``MultiHeadAttention``
+    output projection); ``Embedding`` table -> ``Shard(0)`` (vocabulary),
+    looked up as a one-hot matmul so each device reads only its rows.  The
+    input is made sharded on the contracted dim (``input_layouts``, default
+    ``Shard(-1)``); the output is ``Replicate`` (one all-reduce) or, with
+    ``output_layouts=Shard(1)``, sequence-sharded (a reduce-scatter).
+    """
+
+    def __init__(self, *, input_layouts=None, output_layouts=None, use_local_output: bool = True) -> None:
+        self.input_layouts = None if input_layouts is None else _one(input_layouts, Shard(-1))
+        self.output_layouts = _one(output_layouts, Replicate())
+        self.use_local_output = use_local_output
+        _check_no_partial("output_layouts", self.output_layouts)
+
+    def _apply(self, layer: Any, ctx: _Context) -> Any:
+        keras = kl._keras()
+        if isinstance(layer, keras.layers.EinsumDense):
+            inp, ker, out = _einsum_parts(layer)
+            contracted = [c for c in ker if c in inp and c not in out]
+            if not contracted:
+                raise _unsupported("RowwiseParallel", layer, ctx, "EinsumDense with a contracted dim")
+            letter = contracted[0]
+            kl.set_weight_layout(layer, "kernel", ctx.weight_layout([Shard(ker.index(letter))]))
+            natural_in = (Shard(inp.index(letter) - len(inp)),)
+        elif isinstance(layer, keras.layers.Embedding):
+            kl.set_weight_layout(layer, "embeddings", ctx.weight_layout([Shard(0)]))
+            self._one_hot_lookup(layer, ctx)
+            natural_in = (Replicate(),)
+        elif isinstance(layer, keras.layers.Dense):
+            kl.set_weight_layout(layer, "kernel", ctx.weight_layout([Shard(0)]))
+            natural_in = (Shard(-1),)
+        else:
+            raise _unsupported("RowwiseParallel", layer, ctx, "Dense, EinsumDense, Embedding")
+        in_layouts = self.input_layouts or natural_in
+
+        def before(args, kwargs):
+            return (ctx.to_layout(args[0], in_layouts),) + tuple(args[1:]), kwargs
+
+        def after(outputs):
+            return ctx.to_layout(outputs, self.output_layouts, self.use_local_output)
+
+        kl.wrap_call(layer, before, after)
+        return layer
+
+    @staticmethod
+    def _one_hot_lookup(layer: Any, ctx: _Context) -> None:
+        """A vocabulary-sharded lookup: one-hot rows times the local table rows, summed."""
+
+        def call(inputs, *args, **kwargs):
+            ids = kl.as_tf(inputs)
+            if kl.is_symbolic(ids):
+                return original(inputs, *args, **kwargs)
+            table = tf.convert_to_tensor(layer.embeddings)
+            one_hot = tf.one_hot(tf.cast(ids, tf.int32), layer.input_dim, dtype=table.dtype)
+            rank = one_hot.shape.rank
+            one_hot = dtensor.relayout(
+                one_hot, physical_layout(ctx.root, ctx.root_placements([Shard(-1)], rank), rank)
+            )
+            return tf.einsum("...v,vd->...d", one_hot, table)
+
+        original = layer.call
+        layer.call = call
+
+
+class SequenceParallel(ParallelStyle):
+    """Shards the sequence dim through norms and dropout (weights replicated).
+
+    For ``LayerNormalization``, ``RMSNormalization`` and ``Dropout``: input
+    and output are ``Shard(sequence_dim)``.  ``use_local_output=False``
+    (torch's default) returns a tfdist DTensor.
+    """
+
+    def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = False) -> None:
+        self.sequence_dim = sequence_dim
+        self.use_local_output = use_local_output
+
+    def _apply(self, layer: Any, ctx: _Context) -> Any:
+        keras = kl._keras()
+        kinds = tuple(
+            k for k in (
+                keras.layers.LayerNormalization, getattr(keras.layers, "RMSNormalization", None),
+                keras.layers.Dropout,
+            ) if k is not None
+        )
+        if not isinstance(layer, kinds):
+            raise _unsupported("SequenceParallel", layer, ctx, "LayerNormalization, RMSNormalization, Dropout")
+        placements = (Shard(self.sequence_dim),)
+
+        def before(args, kwargs):
+            return (ctx.to_layout(args[0], placements),) + tuple(args[1:]), kwargs
+
+        def after(outputs):
+            return ctx.to_layout(outputs, placements, self.use_local_output)
+
+        kl.wrap_call(layer, before, after)
+        return layer
+
+
+def _per_arg(layouts) -> tuple:
+    if layouts is None:
+        return ()
+    if isinstance(layouts, Placement):
+        return (layouts,)
+    return tuple(layouts)
+
+
+class PrepareModuleInput(ParallelStyle):
+    """Relayouts a layer's inputs (positional and keyword) to desired layouts.
+
+    ``input_layouts``/``desired_input_layouts`` have one entry per
+    positional input (``None`` leaves that input alone); the kwarg
+    variants are dicts by argument name.
+    """
+
+    def __init__(
+        self, *, input_layouts=None, desired_input_layouts=None, input_kwarg_layouts=None,
+        desired_input_kwarg_layouts=None, use_local_output: bool = False,
+    ) -> None:
+        self.input_layouts = _per_arg(input_layouts)
+        self.desired_input_layouts = _per_arg(desired_input_layouts)
+        if len(self.input_layouts) != len(self.desired_input_layouts):
+            raise ValueError(
+                "input_layouts and desired_input_layouts need one entry per input; "
+                f"Received {len(self.input_layouts)} and {len(self.desired_input_layouts)}."
+            )
+        self.input_kwarg_layouts = dict(input_kwarg_layouts or {})
+        self.desired_input_kwarg_layouts = dict(desired_input_kwarg_layouts or {})
+        if set(self.input_kwarg_layouts) != set(self.desired_input_kwarg_layouts):
+            raise ValueError(
+                "input_kwarg_layouts and desired_input_kwarg_layouts need the same keys. "
+                f"Received {sorted(self.input_kwarg_layouts)} and {sorted(self.desired_input_kwarg_layouts)}."
+            )
+        self.use_local_output = use_local_output
+
+    def _apply(self, layer: Any, ctx: _Context) -> Any:
+        def before(args, kwargs):
+            args = list(args)
+            for i, desired in enumerate(self.desired_input_layouts):
+                if i < len(args) and desired is not None:
+                    args[i] = ctx.to_layout(args[i], _one(desired, Replicate()), self.use_local_output)
+            for name, desired in self.desired_input_kwarg_layouts.items():
+                if name in kwargs and desired is not None:
+                    kwargs[name] = ctx.to_layout(kwargs[name], _one(desired, Replicate()), self.use_local_output)
+            return tuple(args), kwargs
+
+        kl.wrap_call(layer, before, None)
+        return layer
+
+
+class PrepareModuleOutput(ParallelStyle):
+    """Relayouts a layer's output(s) to ``desired_output_layouts``."""
+
+    def __init__(self, *, output_layouts, desired_output_layouts, use_local_output: bool = True) -> None:
+        self.output_layouts = _per_arg(output_layouts)
+        self.desired_output_layouts = _per_arg(desired_output_layouts)
+        if len(self.output_layouts) != len(self.desired_output_layouts):
+            raise ValueError(
+                "output_layouts and desired_output_layouts need one entry per output; "
+                f"Received {len(self.output_layouts)} and {len(self.desired_output_layouts)}."
+            )
+        self.use_local_output = use_local_output
+
+    def _apply(self, layer: Any, ctx: _Context) -> Any:
+        def after(outputs):
+            single = not isinstance(outputs, (list, tuple))
+            outs = [outputs] if single else list(outputs)
+            for i, desired in enumerate(self.desired_output_layouts):
+                if i < len(outs) and desired is not None:
+                    outs[i] = ctx.to_layout(outs[i], _one(desired, Replicate()), self.use_local_output)
+            return outs[0] if single else type(outputs)(outs)
+
+        kl.wrap_call(layer, None, after)
+        return layer
