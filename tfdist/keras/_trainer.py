@@ -26,30 +26,29 @@ def mesh_of(model):
     """(root tfdist DeviceMesh, batch mesh dim index or None) of a distributed model."""
     from keras.src.distribution import distribution_lib
 
+    from tfdist.device_mesh import DeviceMesh
     from tfdist.keras._backend import tfdist_mesh
 
     distribution = distribution_lib.distribution()
-    tf_mesh = None
-    for v in model.variables:
-        if _variables.is_dtensor_variable(v):
-            tf_mesh = _variables.layout_of(v._value).mesh
-            break
-    if tf_mesh is None:
+    tf_mesh = next(
+        (_variables.layout_of(v._value).mesh for v in model.variables if _variables.is_dtensor_variable(v)),
+        None,
+    )
+    if distribution is not None:
+        dist_mesh = tfdist_mesh(distribution.device_mesh)
+        if tf_mesh is not None and dist_mesh.to_tf() != tf_mesh:
+            raise ValueError(
+                "the active keras distribution uses another mesh than the model's "
+                "variables; create the model under the distribution it trains with."
+            )
+        mesh = dist_mesh
+    elif tf_mesh is not None:
+        mesh = DeviceMesh.from_tf(tf_mesh)
+    else:
         return None, None
-    from tfdist.device_mesh import DeviceMesh
-
-    mesh = DeviceMesh.from_tf(tf_mesh)
-    batch_axis = None
     name = getattr(distribution, "batch_dim_name", None) if distribution is not None else None
-    if name is None:
-        name = getattr(model, "_tfdist_batch_dim", None)
-    if name is not None and name in mesh.axis_names:
-        batch_axis = mesh.axis_names.index(name)
-    if distribution is not None and tfdist_mesh(distribution.device_mesh).to_tf() != tf_mesh:
-        raise ValueError(
-            "the active keras distribution uses another mesh than the model's variables; "
-            "create the model under the distribution it trains with."
-        )
+    name = name or getattr(model, "_tfdist_batch_dim", None)
+    batch_axis = mesh.axis_names.index(name) if name in mesh.axis_names else None
     return mesh, batch_axis
 
 
@@ -73,6 +72,11 @@ def check_layout_map(model) -> None:
 
 
 def _distributed(model) -> bool:
+    """Variables on a mesh, or (unbuilt model) a keras distribution that will put them there."""
+    from keras.src.distribution import distribution_lib
+
+    if distribution_lib.distribution() is not None:
+        return True
     return any(_variables.is_dtensor_variable(v) for v in model.variables)
 
 
@@ -118,7 +122,8 @@ def install() -> None:
                 outputs = out if outputs is None else tf.nest.map_structure(
                     lambda a, b: np.concatenate([a, b]), outputs, out
                 )
-            return outputs
+            # Keras concatenates and converts host tensors after the loop
+            return tf.nest.map_structure(tf.convert_to_tensor, outputs)
 
         self.predict_function = predict_function
         return predict_function

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import re
+import weakref
 from typing import Any, Callable, Iterator
 
 import tensorflow as tf
@@ -27,10 +28,40 @@ def _keras():
     return keras
 
 
+class Pending:
+    """A sublayer that its parent creates when it builds (an unbuilt MultiHeadAttention's projections)."""
+
+    def __init__(self, parent: Any, attr: str) -> None:
+        self.parent, self.attr = parent, attr
+
+
+_DEFERRED: "weakref.WeakKeyDictionary[Any, list[Callable[[], None]]]" = weakref.WeakKeyDictionary()
+
+
+def defer(pending: Pending, apply: Callable[[Any], None]) -> None:
+    """Runs ``apply(sublayer)`` right after ``pending.parent`` builds."""
+    parent = pending.parent
+    hooks = _DEFERRED.get(parent)
+    if hooks is None:
+        hooks = _DEFERRED[parent] = []
+        original_build = parent.build
+
+        @functools.wraps(original_build)
+        def build(*args, **kwargs):
+            original_build(*args, **kwargs)
+            for hook in _DEFERRED.pop(parent, []):
+                hook()
+
+        parent.build = build
+    hooks.append(lambda: apply(getattr(parent, pending.attr)))
+
+
 def _children(layer: Any) -> list[tuple[str, Any]]:
     keras = _keras()
     Layer = keras.layers.Layer
     if isinstance(layer, keras.layers.MultiHeadAttention):
+        if not layer.built:
+            return [(k, Pending(layer, v)) for k, v in _MHA_CHILDREN.items()]
         return [(k, getattr(layer, v)) for k, v in _MHA_CHILDREN.items() if getattr(layer, v, None) is not None]
     if isinstance(layer, (keras.Sequential,)) or getattr(layer, "_is_graph_network", False) or (
         isinstance(layer, keras.Model) and type(layer).__name__ == "Functional"
@@ -58,6 +89,8 @@ def named_layers(root: Any) -> Iterator[tuple[str, Any]]:
             return
         seen.add(id(layer))
         yield prefix, layer
+        if isinstance(layer, Pending):
+            return
         for name, child in _children(layer):
             yield from visit(f"{prefix}.{name}" if prefix else name, child)
 

@@ -100,7 +100,11 @@ def parallelize_module(
     batch_axis = _batch_axis(mesh)
     _ensure_distribution(mesh, batch_axis)
     for fqn, layer, style in kl.match_plan(module, plan):
-        style._apply(layer, _Context(mesh, batch_axis, fqn or module.name))
+        ctx = _Context(mesh, batch_axis, fqn or module.name)
+        if isinstance(layer, kl.Pending):  # created when its parent builds
+            kl.defer(layer, lambda sub, style=style, ctx=ctx: style._apply(sub, ctx))
+        else:
+            style._apply(layer, ctx)
     _replicate_the_rest(module, mesh)
     if batch_axis is not None:
         module._tfdist_batch_dim = mesh.root_mesh.axis_names[batch_axis]

@@ -146,16 +146,20 @@ class ColwiseParallel(ParallelStyle):
     Keras ``Dense`` kernel ``[in, out]`` -> ``Shard(1)``, bias ``Shard(0)``;
     ``Embedding`` table ``[vocab, dim]`` -> ``Shard(1)``; ``EinsumDense`` ->
     the first kernel dim that appears in the output only (the heads of a
-    ``MultiHeadAttention`` query/key/value projection).  The input is made
-    ``Replicate`` (``input_layouts``), the output is sharded on that feature
-    dim (``output_layouts``, default ``Shard(-1)``).  No communication in the
+    ``MultiHeadAttention`` query/key/value projection).  The input, arriving
+    as ``input_layouts`` (default ``Replicate()``; ``Shard(1)`` after
+    sequence parallelism), is made ``Replicate``; the output is sharded on
+    that feature dim (``output_layouts``, default ``Shard(-1)``).  No communication in the
     forward pass; the backward all-reduces the input gradient.
     """
 
     def __init__(self, *, input_layouts=None, output_layouts=None, use_local_output: bool = True) -> None:
+        # input_layouts says how the input arrives (torch); it is moved to Replicate.
         self.input_layouts = _one(input_layouts, Replicate())
+        self.desired_input_layouts = (Replicate(),)
         self.output_layouts = None if output_layouts is None else _one(output_layouts, Shard(-1))
         self.use_local_output = use_local_output
+        _check_no_partial("input_layouts", self.input_layouts)
         _check_no_partial("output_layouts", self.output_layouts or ())
 
     def _plan(self, layer: Any, ctx: _Context) -> tuple[dict[str, list], tuple[Placement, ...]]:
@@ -186,7 +190,7 @@ class ColwiseParallel(ParallelStyle):
         out_layouts = self.output_layouts or natural_out
 
         def before(args, kwargs):
-            return (ctx.to_layout(args[0], self.input_layouts),) + tuple(args[1:]), kwargs
+            return (ctx.to_layout(args[0], self.desired_input_layouts),) + tuple(args[1:]), kwargs
 
         def after(outputs):
             return ctx.to_layout(outputs, out_layouts, self.use_local_output)
@@ -202,16 +206,30 @@ class RowwiseParallel(ParallelStyle):
     -> the first contracted kernel dim (the heads of a ``MultiHeadAttention``
     output projection); ``Embedding`` table -> ``Shard(0)`` (vocabulary),
     looked up as a one-hot matmul so each device reads only its rows.  The
-    input is made sharded on the contracted dim (``input_layouts``, default
-    ``Shard(-1)``); the output is ``Replicate`` (one all-reduce) or, with
-    ``output_layouts=Shard(1)``, sequence-sharded (a reduce-scatter).
+    input, arriving as ``input_layouts`` (default ``Shard(-1)``), is made
+    sharded on the contracted dim; the output is ``Replicate`` (one
+    all-reduce).  ``output_layouts=Shard(1)`` (torch's sequence-parallel
+    reduce-scatter) raises: TF DTensor mis-propagates that layout (see
+    docs/design.md); shard the sequence at the next ``SequenceParallel`` norm.
     """
 
     def __init__(self, *, input_layouts=None, output_layouts=None, use_local_output: bool = True) -> None:
-        self.input_layouts = None if input_layouts is None else _one(input_layouts, Shard(-1))
+        # input_layouts says how the input arrives (torch); it is moved to the
+        # layer's contracted-dim shard.
+        self.input_layouts = _one(input_layouts, Shard(-1))
         self.output_layouts = _one(output_layouts, Replicate())
         self.use_local_output = use_local_output
+        _check_no_partial("input_layouts", self.input_layouts)
         _check_no_partial("output_layouts", self.output_layouts)
+        if any(isinstance(p, Shard) for p in self.output_layouts):
+            raise NotImplementedError(
+                f"RowwiseParallel(output_layouts={self.output_layouts!r}) is not supported: "
+                "TF DTensor 2.21 mis-propagates layouts when a contraction-sharded result is "
+                "relayouted to a shard (wrong gradients or a layout error; reproduction in "
+                "docs/tf_dtensor_repros/rowwise_sequence_shard_output.py). For sequence "
+                "parallelism keep the row-parallel output replicated and put "
+                "SequenceParallel() on the norms: the sequence is then sharded at the norm."
+            )
 
     def _apply(self, layer: Any, ctx: _Context) -> Any:
         keras = kl._keras()
@@ -232,7 +250,7 @@ class RowwiseParallel(ParallelStyle):
             natural_in = (Shard(-1),)
         else:
             raise _unsupported("RowwiseParallel", layer, ctx, "Dense, EinsumDense, Embedding")
-        in_layouts = self.input_layouts or natural_in
+        in_layouts = natural_in
 
         def before(args, kwargs):
             return (ctx.to_layout(args[0], in_layouts),) + tuple(args[1:]), kwargs
@@ -257,7 +275,8 @@ class RowwiseParallel(ParallelStyle):
             one_hot = dtensor.relayout(
                 one_hot, physical_layout(ctx.root, ctx.root_placements([Shard(-1)], rank), rank)
             )
-            return tf.einsum("...v,vd->...d", one_hot, table)
+            lead = "abcefghijklmnopqrstu"[: rank - 1]  # TF DTensor lays out no '...' einsum
+            return tf.einsum(f"{lead}v,vw->{lead}w", one_hot, table)
 
         original = layer.call
         layer.call = call

@@ -1,0 +1,136 @@
+"""Reference models in plain Keras 3, with ready tensor-parallel plans.
+
+``MLP`` and ``GPT`` (a small decoder: token + position embeddings, N blocks
+of causal self-attention and MLP with pre-layer-norm, a final norm and an LM
+head) use only stock Keras layers, so the plans below are what a user
+would write for their own model.  ``parallelize_gpt`` is the recipe,
+torchtitan-style: tensor parallel on ``mesh["tp"]``, batches on ``"dp"``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+from keras import ops
+
+from tfdist.device_mesh import DeviceMesh
+from tfdist.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from tfdist.tensor.placement_types import Replicate, Shard
+
+__all__ = ["MLP", "GPT", "mlp_tp_plan", "gpt_tp_plan", "parallelize_gpt"]
+
+
+class MLP(keras.Model):
+    """``up`` (Dense, gelu) then ``down`` (Dense)."""
+
+    def __init__(self, dim: int, hidden: int, out: int | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.up = keras.layers.Dense(hidden, activation="gelu")
+        self.down = keras.layers.Dense(out or dim)
+
+    def call(self, x):
+        return self.down(self.up(x))
+
+
+def mlp_tp_plan(prefix: str = "") -> dict[str, ParallelStyle]:
+    """Megatron MLP: column-parallel up, row-parallel down (one all-reduce)."""
+    return {f"{prefix}up": ColwiseParallel(), f"{prefix}down": RowwiseParallel()}
+
+
+class PositionEmbedding(keras.layers.Layer):
+    """Learned absolute positions added to the input."""
+
+    def __init__(self, max_len: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.max_len = max_len
+
+    def build(self, input_shape):
+        self.embeddings = self.add_weight(
+            shape=(self.max_len, input_shape[-1]), initializer="glorot_uniform", name="embeddings"
+        )
+
+    def call(self, x):
+        return x + self.embeddings[: x.shape[1]]
+
+
+class Block(keras.layers.Layer):
+    """Pre-norm decoder block: x + attn(ln1(x)); h + mlp(ln2(h))."""
+
+    def __init__(self, dim: int, heads: int, hidden: int, dropout: float = 0.0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.ln1 = keras.layers.LayerNormalization(epsilon=1e-5)
+        self.attn = keras.layers.MultiHeadAttention(heads, dim // heads, dropout=dropout)
+        self.ln2 = keras.layers.LayerNormalization(epsilon=1e-5)
+        self.mlp = MLP(dim, hidden)
+
+    def call(self, x):
+        h = self.ln1(x)
+        x = x + self.attn(h, h, use_causal_mask=True)
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(keras.Model):
+    """A small GPT-style decoder returning logits ``[batch, seq, vocab]``."""
+
+    def __init__(
+        self, vocab_size: int, seq_len: int, dim: int, heads: int, depth: int,
+        hidden: int | None = None, dropout: float = 0.0, **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.tok = keras.layers.Embedding(vocab_size, dim)
+        self.pos = PositionEmbedding(seq_len)
+        self.blocks = [Block(dim, heads, hidden or 4 * dim, dropout) for _ in range(depth)]
+        self.ln_f = keras.layers.LayerNormalization(epsilon=1e-5)
+        self.head = keras.layers.Dense(vocab_size, use_bias=False)
+
+    def call(self, ids):
+        x = self.pos(self.tok(ids))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def gpt_tp_plan(*, sequence_parallel: bool = False, loss_parallel: bool = False) -> dict[str, ParallelStyle]:
+    """The GPT plan: head-sharded attention, Megatron MLP, vocab-parallel embedding.
+
+    ``sequence_parallel`` runs the norms on sequence shards (the Colwise
+    inputs then all-gather the sequence).  Row-parallel outputs stay
+    replicated: TF DTensor mis-handles a row-parallel output relayouted to a
+    sequence shard (docs/design.md), so the sequence is split at each norm's
+    input, a local slice.  ``loss_parallel`` leaves the logits sharded on the
+    vocabulary for ``loss_parallel()``.
+    """
+    seq = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, ParallelStyle] = {
+        "tok": RowwiseParallel(input_layouts=Replicate()),
+        "blocks.*.attn.query": ColwiseParallel(input_layouts=seq),
+        "blocks.*.attn.key": ColwiseParallel(input_layouts=seq),
+        "blocks.*.attn.value": ColwiseParallel(input_layouts=seq),
+        "blocks.*.attn.output": RowwiseParallel(),
+        "blocks.*.mlp.up": ColwiseParallel(input_layouts=seq),
+        "blocks.*.mlp.down": RowwiseParallel(),
+        "head": ColwiseParallel(
+            input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate()
+        ),
+    }
+    if sequence_parallel:
+        for name in ("blocks.*.ln1", "blocks.*.ln2", "ln_f"):
+            plan[name] = SequenceParallel(use_local_output=True)
+    return plan
+
+
+def parallelize_gpt(
+    model: GPT, mesh: DeviceMesh, *, sequence_parallel: bool = False, loss_parallel: bool = False
+) -> GPT:
+    """Tensor parallel over ``mesh["tp"]`` (or a 1-D mesh); batches over the other dim."""
+    tp = mesh["tp"] if mesh.ndim > 1 else mesh
+    return parallelize_module(
+        model, tp, gpt_tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    )
