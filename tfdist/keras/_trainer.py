@@ -72,12 +72,13 @@ def check_layout_map(model) -> None:
 
 
 def _distributed(model) -> bool:
-    """Variables on a mesh, or (unbuilt model) a keras distribution that will put them there."""
+    """Variables on a mesh, or (no variables yet) a keras distribution that will put them there."""
     from keras.src.distribution import distribution_lib
 
-    if distribution_lib.distribution() is not None:
-        return True
-    return any(_variables.is_dtensor_variable(v) for v in model.variables)
+    variables = model.variables
+    if variables:
+        return any(_variables.is_dtensor_variable(v) for v in variables)
+    return distribution_lib.distribution() is not None
 
 
 def install() -> None:

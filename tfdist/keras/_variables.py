@@ -79,6 +79,11 @@ def record_write(dvariable: dtensor.DVariable, value: tf.Tensor) -> None:
 def write(dvariable: dtensor.DVariable, value: tf.Tensor) -> tf.Tensor:
     """Assigns and records, so later reads in the same graph see ``value``."""
     value = tf.cast(tf.convert_to_tensor(value), dvariable.dtype)
+    if tf.executing_eagerly() and not dtensor.is_dtensor(value):
+        # a host value (load_weights, set_weights, assign(numpy)): lay it out first
+        from tfdist.keras._backend import distribute_tensor
+
+        value = distribute_tensor(value, layout_of(dvariable))
     dvariable.assign(value)
     record_write(dvariable, value)
     return value

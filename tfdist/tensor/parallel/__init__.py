@@ -5,6 +5,7 @@ Importing it imports Keras (and installs tfdist's Keras integration).
 
 import tfdist.keras  # noqa: F401  (variables, optimizer and fit on DTensor)
 from tfdist.tensor.parallel.api import parallelize_module
+from tfdist.tensor.parallel.loss import loss_parallel
 from tfdist.tensor.parallel.style import (
     ColwiseParallel,
     ParallelStyle,
@@ -16,6 +17,7 @@ from tfdist.tensor.parallel.style import (
 
 __all__ = [
     "parallelize_module",
+    "loss_parallel",
     "ParallelStyle",
     "ColwiseParallel",
     "RowwiseParallel",

@@ -98,9 +98,16 @@ def parallelize_module(
             f"Received: {type(parallelize_plan).__name__}"
         )
     batch_axis = _batch_axis(mesh)
+    # Check the whole plan first: a bad plan changes nothing.
+    matches = [
+        (layer, style, _Context(mesh, batch_axis, fqn or module.name))
+        for fqn, layer, style in kl.match_plan(module, plan)
+    ]
+    for layer, style, ctx in matches:
+        if not isinstance(layer, kl.Pending):
+            style._validate(layer, ctx)
     _ensure_distribution(mesh, batch_axis)
-    for fqn, layer, style in kl.match_plan(module, plan):
-        ctx = _Context(mesh, batch_axis, fqn or module.name)
+    for layer, style, ctx in matches:
         if isinstance(layer, kl.Pending):  # created when its parent builds
             kl.defer(layer, lambda sub, style=style, ctx=ctx: style._apply(sub, ctx))
         else:

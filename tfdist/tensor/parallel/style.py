@@ -122,6 +122,22 @@ def _check_no_partial(name: str, placements: tuple[Placement, ...]) -> None:
 class ParallelStyle:
     """Base class: a style lays out one layer for tensor parallelism."""
 
+    def _weights(self, layer: Any, ctx: _Context) -> dict[str, list[Placement]]:
+        """Weight name -> placements on the TP mesh; raises for unsupported layers."""
+        return {}
+
+    def _validate(self, layer: Any, ctx: _Context) -> None:
+        """Everything that can fail, checked before parallelize_module changes anything."""
+        weights = self._weights(layer, ctx)
+        if getattr(layer, "built", False):
+            from tfdist.keras import _variables
+
+            own = kl.weight_names(layer)
+            for name, placements in weights.items():
+                if name in own:
+                    variable = own[name]
+                    _variables._check_divisible(variable, ctx.weight_layout(placements)(len(variable.shape)))
+
     def _apply(self, layer: Any, ctx: _Context) -> Any:  # pragma: no cover - abstract
         raise NotImplementedError
 
@@ -181,6 +197,12 @@ class ColwiseParallel(ParallelStyle):
             return {"kernel": [Shard(1)], "bias": [Shard(0)]}, (Shard(-1),)
         raise _unsupported("ColwiseParallel", layer, ctx, "Dense, EinsumDense, Embedding")
 
+    def _weights(self, layer: Any, ctx: _Context) -> dict[str, list[Placement]]:
+        weights = self._plan(layer, ctx)[0]
+        if not getattr(layer, "use_bias", True):
+            weights.pop("bias", None)
+        return weights
+
     def _apply(self, layer: Any, ctx: _Context) -> Any:
         weights, natural_out = self._plan(layer, ctx)
         for name, placements in weights.items():
@@ -231,7 +253,7 @@ class RowwiseParallel(ParallelStyle):
                 "SequenceParallel() on the norms: the sequence is then sharded at the norm."
             )
 
-    def _apply(self, layer: Any, ctx: _Context) -> Any:
+    def _plan(self, layer: Any, ctx: _Context) -> tuple[dict[str, list], tuple[Placement, ...]]:
         keras = kl._keras()
         if isinstance(layer, keras.layers.EinsumDense):
             inp, ker, out = _einsum_parts(layer)
@@ -239,18 +261,22 @@ class RowwiseParallel(ParallelStyle):
             if not contracted:
                 raise _unsupported("RowwiseParallel", layer, ctx, "EinsumDense with a contracted dim")
             letter = contracted[0]
-            kl.set_weight_layout(layer, "kernel", ctx.weight_layout([Shard(ker.index(letter))]))
-            natural_in = (Shard(inp.index(letter) - len(inp)),)
-        elif isinstance(layer, keras.layers.Embedding):
-            kl.set_weight_layout(layer, "embeddings", ctx.weight_layout([Shard(0)]))
+            return {"kernel": [Shard(ker.index(letter))]}, (Shard(inp.index(letter) - len(inp)),)
+        if isinstance(layer, keras.layers.Embedding):
+            return {"embeddings": [Shard(0)]}, (Replicate(),)
+        if isinstance(layer, keras.layers.Dense):
+            return {"kernel": [Shard(0)]}, (Shard(-1),)
+        raise _unsupported("RowwiseParallel", layer, ctx, "Dense, EinsumDense, Embedding")
+
+    def _weights(self, layer: Any, ctx: _Context) -> dict[str, list[Placement]]:
+        return self._plan(layer, ctx)[0]
+
+    def _apply(self, layer: Any, ctx: _Context) -> Any:
+        weights, in_layouts = self._plan(layer, ctx)
+        for name, placements in weights.items():
+            kl.set_weight_layout(layer, name, ctx.weight_layout(placements))
+        if isinstance(layer, kl._keras().layers.Embedding):
             self._one_hot_lookup(layer, ctx)
-            natural_in = (Replicate(),)
-        elif isinstance(layer, keras.layers.Dense):
-            kl.set_weight_layout(layer, "kernel", ctx.weight_layout([Shard(0)]))
-            natural_in = (Shard(-1),)
-        else:
-            raise _unsupported("RowwiseParallel", layer, ctx, "Dense, EinsumDense, Embedding")
-        in_layouts = natural_in
 
         def before(args, kwargs):
             return (ctx.to_layout(args[0], in_layouts),) + tuple(args[1:]), kwargs
@@ -294,7 +320,7 @@ class SequenceParallel(ParallelStyle):
         self.sequence_dim = sequence_dim
         self.use_local_output = use_local_output
 
-    def _apply(self, layer: Any, ctx: _Context) -> Any:
+    def _weights(self, layer: Any, ctx: _Context) -> dict[str, list[Placement]]:
         keras = kl._keras()
         kinds = tuple(
             k for k in (
@@ -304,6 +330,10 @@ class SequenceParallel(ParallelStyle):
         )
         if not isinstance(layer, kinds):
             raise _unsupported("SequenceParallel", layer, ctx, "LayerNormalization, RMSNormalization, Dropout")
+        return {}  # weights stay replicated
+
+    def _apply(self, layer: Any, ctx: _Context) -> Any:
+        self._weights(layer, ctx)
         placements = (Shard(self.sequence_dim),)
 
         def before(args, kwargs):

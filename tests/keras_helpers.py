@@ -1,0 +1,33 @@
+"""Shared pieces of the Keras tests: clean global state and an independent reference optimizer."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+
+class DenseAdam(keras.optimizers.Adam):
+    """Plain Keras Adam fed dense gradients (textbook Adam).
+
+    Keras 3's Adam on an IndexedSlices gradient with repeated rows differs
+    from textbook Adam (shared/known-issues/keras3_adam_duplicate_indexed_slices.py);
+    tfdist gives dense gradients on DTensor, so the one-device reference must too.
+    """
+
+    def apply(self, grads, trainable_variables=None):
+        grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
+        return super().apply(grads, trainable_variables)
+
+
+@pytest.fixture(autouse=True)
+def no_global_distribution():
+    """Every test starts and ends without a keras distribution."""
+    keras.distribution.set_distribution(None)
+    yield
+    keras.distribution.set_distribution(None)
+
+
+def max_weight_diff(a: keras.Model, b: keras.Model) -> float:
+    return max(float(np.abs(x - y).max()) for x, y in zip(a.get_weights(), b.get_weights()))

@@ -1,0 +1,188 @@
+"""Keras 3 model.fit/evaluate/predict on DTensor through keras.distribution."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdist.keras  # noqa: F401  (installs the TF backend of keras.distribution)
+from keras_helpers import DenseAdam, max_weight_diff, no_global_distribution  # noqa: F401
+from tfdist.keras import _variables
+
+RNG = np.random.default_rng(0)
+X = RNG.standard_normal((64, 16)).astype("float32")
+Y = RNG.standard_normal((64, 8)).astype("float32")
+
+
+def make_mlp():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([
+        keras.Input((16,)),
+        keras.layers.Dense(32, activation="relu", name="up"),
+        keras.layers.Dense(8, name="down"),
+    ])
+
+
+def compile_(model, **kwargs):
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"], **kwargs)
+    return model
+
+
+def reference(epochs=2, **fit_kwargs):
+    keras.distribution.set_distribution(None)
+    model = compile_(make_mlp())
+    history = model.fit(X, Y, batch_size=16, epochs=epochs, verbose=0, shuffle=False, **fit_kwargs)
+    return model, history
+
+
+def model_parallel(mesh_shape=(2, 4)):
+    mesh = keras.distribution.DeviceMesh(mesh_shape, ["batch", "model"])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*up/kernel"] = (None, "model")
+    layout_map[".*up/bias"] = ("model",)
+    layout_map[".*down/kernel"] = ("model", None)
+    return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 4), (4, 2), (8, 1), (1, 8)], ids=str)
+def test_model_parallel_fit_equals_one_device(mesh_shape):
+    ref, ref_hist = reference()
+    keras.distribution.set_distribution(model_parallel(mesh_shape))
+    model = compile_(make_mlp())
+    assert isinstance(model.layers[0].kernel._value, tf.experimental.dtensor.DVariable)
+    hist = model.fit(X, Y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+    np.testing.assert_allclose(hist.history["loss"], ref_hist.history["loss"], rtol=1e-5)
+    np.testing.assert_allclose(hist.history["mae"], ref_hist.history["mae"], rtol=1e-5)
+    assert max_weight_diff(ref, model) < 1e-5
+    np.testing.assert_allclose(model.evaluate(X, Y, verbose=0), ref.evaluate(X, Y, verbose=0), rtol=1e-5)
+    np.testing.assert_allclose(model.predict(X, verbose=0, batch_size=16), ref.predict(X, verbose=0), atol=1e-5)
+
+
+def test_layouts_of_weights_slots_and_metrics():
+    keras.distribution.set_distribution(model_parallel())
+    model = compile_(make_mlp())
+    model.fit(X, Y, batch_size=16, epochs=1, verbose=0)
+    layout = _variables.layout_of
+    up = model.get_layer("up")
+    assert layout(up.kernel._value).sharding_specs == ["unsharded", "model"]
+    assert layout(up.bias._value).sharding_specs == ["model"]
+    assert layout(model.get_layer("down").kernel._value).sharding_specs == ["model", "unsharded"]
+    slots = {v.path: v for v in model.optimizer.variables}
+    moments = [v for p, v in slots.items() if "up_kernel" in p]
+    assert moments and all(layout(v._value).sharding_specs == ["unsharded", "model"] for v in moments)
+    for metric_var in model.metrics_variables:
+        assert layout(metric_var._value).is_fully_replicated()
+
+
+def test_data_parallel_with_datasets_generators_and_validation():
+    ref, ref_hist = reference(validation_data=(X[:32], Y[:32]))
+    keras.distribution.set_distribution(keras.distribution.DataParallel())
+    model = compile_(make_mlp())
+    data = tf.data.Dataset.from_tensor_slices((X, Y)).batch(16)
+    hist = model.fit(data, epochs=2, verbose=0, validation_data=(X[:32], Y[:32]))
+    np.testing.assert_allclose(hist.history["loss"], ref_hist.history["loss"], rtol=1e-5)
+    np.testing.assert_allclose(hist.history["val_loss"], ref_hist.history["val_loss"], rtol=1e-5)
+    assert max_weight_diff(ref, model) < 1e-5
+
+    def batches():
+        for i in range(0, 64, 16):
+            yield X[i:i + 16], Y[i:i + 16]
+
+    seen = []
+    counter = keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: seen.append(logs["loss"]))
+    model.fit(batches(), epochs=1, steps_per_epoch=4, verbose=0, callbacks=[counter])
+    assert len(seen) == 4 and all(np.isfinite(seen))
+
+
+def test_sample_weight_and_class_weight():
+    w = np.linspace(0.5, 1.5, 64).astype("float32")
+    ref, ref_hist = reference(sample_weight=w)
+    keras.distribution.set_distribution(model_parallel())
+    model = compile_(make_mlp())
+    hist = model.fit(X, Y, batch_size=16, epochs=2, verbose=0, shuffle=False, sample_weight=w)
+    np.testing.assert_allclose(hist.history["loss"], ref_hist.history["loss"], rtol=1e-5)
+
+    labels = (X[:, 0] > 0).astype("int32")
+
+    def classifier():
+        keras.utils.set_random_seed(1)
+        m = keras.Sequential([keras.Input((16,)), keras.layers.Dense(2, name="head")])
+        m.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return m
+
+    keras.distribution.set_distribution(None)
+    plain = classifier()
+    want = plain.fit(X, labels, batch_size=16, epochs=1, verbose=0, shuffle=False, class_weight={0: 1.0, 1: 3.0})
+    keras.distribution.set_distribution(keras.distribution.DataParallel())
+    dist = classifier()
+    got = dist.fit(X, labels, batch_size=16, epochs=1, verbose=0, shuffle=False, class_weight={0: 1.0, 1: 3.0})
+    np.testing.assert_allclose(got.history["loss"], want.history["loss"], rtol=1e-5)
+
+
+def test_embedding_trains_sharded_and_replicated():
+    ids = RNG.integers(0, 16, (32, 6))
+    target = RNG.standard_normal((32, 6, 8)).astype("float32")
+
+    def embedder():
+        keras.utils.set_random_seed(0)
+        m = keras.Sequential([keras.Input((6,), dtype="int32"), keras.layers.Embedding(16, 8, name="emb")])
+        m.compile(optimizer=DenseAdam(0.05), loss="mse")
+        return m
+
+    ref = embedder()
+    ref.fit(ids, target, batch_size=8, epochs=2, verbose=0, shuffle=False)
+    mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*emb/embeddings"] = (None, "model")
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch"))
+    model = embedder()
+    model.fit(ids, target, batch_size=8, epochs=2, verbose=0, shuffle=False)
+    assert max_weight_diff(ref, model) < 1e-5
+
+
+def test_save_and_load_weights_across_meshes(tmp_path):
+    keras.distribution.set_distribution(model_parallel((2, 4)))
+    model = compile_(make_mlp())
+    model.fit(X, Y, batch_size=16, epochs=1, verbose=0)
+    path = str(tmp_path / "mlp.weights.h5")
+    model.save_weights(path)
+    want = model.get_weights()
+    keras.distribution.set_distribution(None)
+    single = make_mlp()
+    single.load_weights(path)
+    for a, b in zip(single.get_weights(), want):
+        np.testing.assert_array_equal(a, b)
+    keras.distribution.set_distribution(model_parallel((4, 2)))
+    other = make_mlp()
+    other.load_weights(path)
+    for a, b in zip(other.get_weights(), want):
+        np.testing.assert_array_equal(a, b)
+    assert _variables.is_dtensor_variable(other.get_layer("up").kernel)
+
+
+def test_indivisible_batch_is_a_clear_error():
+    keras.distribution.set_distribution(model_parallel())
+    model = compile_(make_mlp())
+    with pytest.raises(ValueError, match="batch of 5 samples cannot be split over the 2 devices"):
+        model.fit(X[:5], Y[:5], batch_size=5, epochs=1, verbose=0)
+
+
+def test_layout_map_key_matching_nothing_is_an_error():
+    mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["up/kernel"] = (None, "model")  # misses the model-name prefix
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map))
+    model = compile_(make_mlp())
+    with pytest.raises(ValueError, match=r"LayoutMap keys \['up/kernel'\] match no variable"):
+        model.fit(X, Y, batch_size=16, epochs=1, verbose=0)
+
+
+def test_variable_not_divisible_is_a_clear_error():
+    mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*odd/kernel"] = (None, "model")
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map))
+    with pytest.raises(ValueError, match="is not divisible by mesh dim 'model'"):
+        keras.Sequential([keras.Input((4,)), keras.layers.Dense(6, name="odd")])
