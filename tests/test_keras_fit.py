@@ -186,3 +186,25 @@ def test_variable_not_divisible_is_a_clear_error():
     keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map))
     with pytest.raises(ValueError, match="is not divisible by mesh dim 'model'"):
         keras.Sequential([keras.Input((4,)), keras.layers.Dense(6, name="odd")])
+
+
+def test_tfdist_layout_map_takes_styles_placements_and_axes():
+    from tfdist.tensor import Replicate, Shard
+    from tfdist.tensor.parallel import ColwiseParallel
+
+    ref, ref_hist = reference()
+    mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"])
+    layout_map = tfdist.keras.LayoutMap(mesh)
+    layout_map[".*up/.*"] = ColwiseParallel()                     # kernel S(1), bias S(0)
+    layout_map[".*down/kernel"] = (Replicate(), Shard(0))         # placements per mesh dim
+    layout_map[".*down/bias"] = (None,)                           # Keras axes
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch"))
+    model = compile_(make_mlp())
+    layout = _variables.layout_of
+    assert layout(model.get_layer("up").kernel._value).sharding_specs == ["unsharded", "model"]
+    assert layout(model.get_layer("up").bias._value).sharding_specs == ["model"]
+    assert layout(model.get_layer("down").kernel._value).sharding_specs == ["model", "unsharded"]
+    hist = model.fit(X, Y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+    np.testing.assert_allclose(hist.history["loss"], ref_hist.history["loss"], rtol=1e-5)
+    with pytest.raises(ValueError, match="placements has 1 entries but the mesh has 2 dims"):
+        layout_map[".*x"] = (Shard(0),)

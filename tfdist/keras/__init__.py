@@ -23,6 +23,7 @@ from __future__ import annotations
 import keras
 
 from tfdist.keras import _backend, _optimizer, _trainer, _variables
+from tfdist.keras._layout_map import LayoutMap
 
 if keras.backend.backend() != "tensorflow":
     raise ImportError(
@@ -35,4 +36,4 @@ _variables.install()
 _optimizer.install()
 _trainer.install()
 
-__all__: list[str] = []
+__all__ = ["LayoutMap"]

@@ -67,6 +67,10 @@ def _as_tf_layout(layout: Any) -> dtensor.Layout:
 
 def distribute_tensor(tensor: Any, layout: Any) -> tf.Tensor:
     """Relayouts a value (eager or in a traced step) onto ``layout``."""
+    if hasattr(layout, "for_tensor"):  # a tfdist LayoutMap value, resolved by rank
+        layout = layout.for_tensor(tensor)
+        if layout is None:
+            return tensor
     tf_layout = _as_tf_layout(layout)
     tensor = tf.convert_to_tensor(tensor)
     if tf.executing_eagerly() and not dtensor.is_dtensor(tensor):

@@ -128,6 +128,8 @@ def _pick_layout(variable: Any) -> dtensor.Layout | None:
     layout = distribution.get_variable_layout(variable)
     if layout is None:
         return None
+    if hasattr(layout, "for_variable"):  # a tfdist LayoutMap value: style or placements
+        layout = layout.for_variable(variable, layer)
     from tfdist.keras._backend import _as_tf_layout
 
     return _as_tf_layout(layout)

@@ -1,0 +1,133 @@
+"""LayoutMap: keras.distribution.LayoutMap whose values may also be tfdist styles or placements.
+
+Keys are regular expressions on variable paths, as in Keras.  A value may be
+
+* a ``keras.distribution.TensorLayout`` or a tuple of axis names (Keras),
+* tfdist placements, one per mesh dim (``(Replicate(), Shard(1))``),
+* a tensor-parallel style (``ColwiseParallel()``, ``RowwiseParallel()``): the
+  variable takes the placement the style gives to that weight of its layer
+  (a Dense kernel is ``Shard(1)`` under Colwise); the style's mesh dim is the
+  map's ``tp_dim_name`` (default: the mesh's last dim).
+
+A style in a layout map lays out variables only; ``parallelize_module`` also
+relayouts the layer's inputs and outputs (a fixed Megatron comm pattern).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+from keras.src.distribution.distribution_lib import LayoutMap as KerasLayoutMap
+from keras.src.distribution.distribution_lib import TensorLayout
+
+from tfdist.tensor.placement_types import Placement, Shard
+
+__all__ = ["LayoutMap"]
+
+
+class LayoutMap(KerasLayoutMap):
+    """A ``keras.distribution.LayoutMap`` that also takes styles and placements.
+
+    Example::
+
+        mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"])
+        layout_map = tfdist.keras.LayoutMap(mesh)
+        layout_map[".*mlp/dense/.*"] = ColwiseParallel()
+        layout_map[".*mlp/dense_1/kernel"] = (Shard(0), Replicate())   # placements per mesh dim
+        layout_map[".*embeddings"] = (None, "model")                     # Keras axes
+    """
+
+    def __init__(self, device_mesh: Any, tp_dim_name: str | None = None) -> None:
+        super().__init__(device_mesh)
+        self.tp_dim_name = tp_dim_name or device_mesh.axis_names[-1]
+        if self.tp_dim_name not in device_mesh.axis_names:
+            raise ValueError(
+                f"tp_dim_name must be a dim of the mesh {device_mesh.axis_names}. "
+                f"Received: tp_dim_name={tp_dim_name!r}"
+            )
+
+    def __setitem__(self, key: str, layout: Any) -> None:
+        from tfdist.tensor.parallel.style import ParallelStyle
+
+        if isinstance(layout, ParallelStyle):
+            if key in self._layout_map:
+                raise ValueError(f"{key} already exists in the LayoutMap with value {self._layout_map[key]}.")
+            self._layout_map[key] = layout
+            return
+        if isinstance(layout, (tuple, list)) and layout and all(isinstance(p, Placement) for p in layout):
+            layout = _StaticPlacements(tuple(layout), self.device_mesh)
+            self._layout_map[key] = layout
+            return
+        super().__setitem__(key, layout)
+
+    def __getitem__(self, key: str) -> Any:
+        value = super().__getitem__(key)
+        if value is None or isinstance(value, TensorLayout):
+            return value
+        return _ResolveLater(value, self, key)
+
+
+class _StaticPlacements:
+    def __init__(self, placements: tuple[Placement, ...], mesh: Any) -> None:
+        if len(placements) != len(mesh.axis_names):
+            raise ValueError(
+                f"placements has {len(placements)} entries but the mesh has "
+                f"{len(mesh.axis_names)} dims {tuple(mesh.axis_names)}. Received: {placements!r}"
+            )
+        self.placements, self.mesh = placements, mesh
+
+    def __repr__(self) -> str:
+        return f"placements{self.placements}"
+
+
+class _ResolveLater:
+    """A style/placements value, turned into a TensorLayout once the variable's rank is known."""
+
+    def __init__(self, value: Any, layout_map: LayoutMap, path: str) -> None:
+        self.value, self.layout_map, self.path = value, layout_map, path
+
+    def for_tensor(self, tensor: Any) -> TensorLayout | None:
+        """Keras also maps layer outputs ("<layer>/output"): placements apply, styles do not."""
+        if not isinstance(self.value, _StaticPlacements):
+            return None
+        return self._axes(self.value.placements, len(tensor.shape), self.path)
+
+    def for_variable(self, variable: Any, layer: Any) -> TensorLayout:
+        mesh = self.layout_map.device_mesh
+        if isinstance(self.value, _StaticPlacements):
+            placements = self.value.placements
+        else:
+            placements = self._from_style(variable, layer, mesh)
+        return self._axes(placements, len(variable.shape), variable.path)
+
+    def _axes(self, placements, rank: int, what: str) -> TensorLayout:
+        mesh = self.layout_map.device_mesh
+        axes: list[str | None] = [None] * rank
+        for name, p in zip(mesh.axis_names, placements):
+            if isinstance(p, Shard):
+                dim = p.dim % rank
+                if axes[dim] is not None:
+                    raise ValueError(f"{what!r}: dim {dim} sharded twice by {placements!r}")
+                axes[dim] = name
+            elif p.is_partial():
+                raise ValueError(f"{what!r}: a layout-map value cannot be Partial ({placements!r})")
+        return TensorLayout(tuple(axes), mesh)
+
+    def _from_style(self, variable: Any, layer: Any, mesh: Any):
+        from tfdist.tensor.placement_types import Replicate
+
+        if layer is None:
+            raise ValueError(
+                f"LayoutMap key {self.path!r} maps to a style, which needs the variable's layer; "
+                f"variable {variable.path!r} was not created by a layer."
+            )
+        from tfdist.keras._backend import tfdist_mesh
+        from tfdist.tensor.parallel.style import _Context
+
+        tp = tfdist_mesh(mesh)[self.layout_map.tp_dim_name]
+        weights = self.value._weights(layer, _Context(tp, None, layer.name))
+        tp_placement = weights.get(variable.name, [Replicate()])[0]
+        return tuple(
+            tp_placement if name == self.layout_map.tp_dim_name else Replicate() for name in mesh.axis_names
+        )
