@@ -25,6 +25,11 @@ def test_demo_shows_sharding_and_collectives():
     assert "tp: P(sum) -> S(0) (reduce_scatter)" in text
     assert "value: 6 = 0+1+2+3" in text
     assert "result (Shard(dim=0), Replicate()), value 8 (= 8)" in text
+    # the Keras part: GPT trained with model.fit on the 2x4 mesh, weights sharded on tp
+    losses = [float(v) for v in text.split("model.fit loss per epoch: ")[1].splitlines()[0].split(", ")]
+    assert len(losses) == 4 and losses[-1] < losses[0] - 0.5
+    assert "gpt/block/mlp/dense/kernel           (32, 128)    ['unsharded', 'tp']" in text
+    assert "collectives in one train step" in text
 
 
 def test_info_lists_devices_and_versions():

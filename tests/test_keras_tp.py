@@ -97,6 +97,15 @@ def test_gpt_fit_equals_one_device(build):
     hist = fit(model, IDS, NEXT, loss, steps=20, batch=8)
     np.testing.assert_allclose(hist.history["loss"], ref_hist.history["loss"], rtol=1e-4)
     assert max_weight_diff(ref, model) < 5e-4
+    from tfdist.keras._variables import layout_of
+
+    block = model.blocks[0]
+    assert layout_of(model.tok.embeddings._value).sharding_specs == ["tp", "unsharded"]
+    assert layout_of(block.attn._query_dense.kernel._value).sharding_specs == ["unsharded", "tp", "unsharded"]
+    assert layout_of(block.attn._output_dense.kernel._value).sharding_specs == ["tp", "unsharded", "unsharded"]
+    assert layout_of(block.mlp.up.kernel._value).sharding_specs == ["unsharded", "tp"]
+    assert layout_of(block.mlp.down.kernel._value).sharding_specs == ["tp", "unsharded"]
+    assert layout_of(block.ln1.gamma._value).is_fully_replicated()
     np.testing.assert_allclose(model.predict(IDS, batch_size=8, verbose=0), ref.predict(IDS, verbose=0), atol=1e-3)
 
 

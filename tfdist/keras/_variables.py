@@ -114,6 +114,9 @@ def _pick_layout(variable: Any) -> dtensor.Layout | None:
     slot = getattr(_state, "slot_layouts", [])
     if slot and slot[-1] is not None:
         return slot[-1]
+    attached = getattr(variable, "_tfdist_layout_fn", None)
+    if attached is not None:  # set by add_weight; Keras may initialise the variable later
+        return attached(len(variable.shape))
     layer = _current_layer()
     pending = getattr(layer, "_tfdist_weight_layouts", None) if layer is not None else None
     if pending:
@@ -242,9 +245,14 @@ def install() -> None:
         stack.append(self)
         _state.layers = stack
         try:
-            return original_add_weight(self, *args, **kwargs)
+            variable = original_add_weight(self, *args, **kwargs)
         finally:
             stack.pop()
+        pending = getattr(self, "_tfdist_weight_layouts", None)
+        if pending and getattr(variable, "_value", None) is None and variable.name in pending:
+            # built in a stateless scope: initialised later, outside add_weight
+            variable._tfdist_layout_fn = pending[variable.name]
+        return variable
 
     Variable._initialize = _initialize
     Variable._direct_assign = _direct_assign

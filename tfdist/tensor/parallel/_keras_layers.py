@@ -144,7 +144,11 @@ def set_weight_layout(layer: Any, name: str, layout_fn: Callable[[int], dtensor.
         if name not in weights:
             raise ValueError(f"layer {layer.name!r} has no weight {name!r}; it has {sorted(weights)}")
         variable = weights[name]
-        _variables.to_dvariable(variable, layout_fn(len(variable.shape)))
+        if getattr(variable, "_value", None) is None:
+            # created in a stateless (symbolic) build: laid out when Keras initialises it
+            variable._tfdist_layout_fn = layout_fn
+        else:
+            _variables.to_dvariable(variable, layout_fn(len(variable.shape)))
     else:
         pending = dict(getattr(layer, "_tfdist_weight_layouts", {}) or {})
         pending[name] = layout_fn
