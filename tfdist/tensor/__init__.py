@@ -4,6 +4,7 @@ from tfdist.tensor import _dispatch  # noqa: F401  (registers TF API dispatch)
 from tfdist.tensor._api import ChunkStorageMetadata, DTensor, distribute_tensor
 from tfdist.tensor._factory import empty, full, ones, rand, randn, zeros
 from tfdist.tensor._layout import compute_local_shape_and_global_offset
+from tfdist.tensor._module import distribute_module
 from tfdist.tensor.placement_types import Partial, Placement, Replicate, Shard
 from tfdist.device_mesh import DeviceMesh, init_device_mesh
 
@@ -12,6 +13,7 @@ __all__ = [
     "DeviceMesh",
     "init_device_mesh",
     "distribute_tensor",
+    "distribute_module",
     "Placement",
     "Shard",
     "Replicate",
