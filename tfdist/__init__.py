@@ -14,13 +14,25 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from tfdist._runtime import get_rank, get_world_size, virtual_cpus
+from tfdist._runtime import (
+    barrier,
+    destroy,
+    get_rank,
+    get_world_size,
+    init_distributed,
+    is_initialized,
+    virtual_cpus,
+)
 from tfdist.device_mesh import DeviceMesh, init_device_mesh
 from tfdist import tensor
 
 __all__ = [
     "__version__",
     "virtual_cpus",
+    "init_distributed",
+    "is_initialized",
+    "barrier",
+    "destroy",
     "get_rank",
     "get_world_size",
     "DeviceMesh",

@@ -10,11 +10,17 @@ clients, job name, jobs list) is the one TF DTensor reads: ``DTENSOR_*``.
 from __future__ import annotations
 
 import os
+import socket
+import time
 
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 __all__ = [
+    "init_distributed",
+    "is_initialized",
+    "barrier",
+    "destroy",
     "virtual_cpus",
     "normalize_device_type",
     "detect_device_type",
@@ -68,6 +74,16 @@ def virtual_cpus(n: int = 8) -> list[str]:
         >>> tfdist.virtual_cpus(8)[:2]
         ['/job:localhost/replica:0/task:0/device:CPU:0', '/job:localhost/replica:0/task:0/device:CPU:1']
     """
+    _configure_virtual_cpus(n)
+    return [d.name for d in tf.config.list_logical_devices("CPU")]
+
+
+def _configure_virtual_cpus(n: int) -> None:
+    """Sets ``n`` logical CPUs without initialising TensorFlow's runtime.
+
+    (Listing logical devices would initialise it, after which a multi-client
+    cluster can no longer be set up.)
+    """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be a positive int. Received: n={n!r}")
     cpu = tf.config.list_physical_devices("CPU")[0]
@@ -87,7 +103,6 @@ def virtual_cpus(n: int = 8) -> list[str]:
                     "device query (in Colab: Runtime > Restart, then run it in "
                     "the first cell)."
                 ) from err
-    return [d.name for d in tf.config.list_logical_devices("CPU")]
 
 
 def detect_device_type() -> str:
@@ -122,9 +137,94 @@ def initialize_accelerators(device_type: str) -> None:
     global _initialized_device_type
     if _initialized_device_type is not None:
         return
-    if device_type in ("GPU", "TPU") or is_multi_client():
+    if is_multi_client():
+        init_distributed(device_type.lower())
+        return
+    if device_type in ("GPU", "TPU"):
         dtensor.initialize_accelerator_system(device_type)
     _initialized_device_type = device_type
+
+
+def _jobs() -> list[str]:
+    jobs = [j for j in os.environ.get("DTENSOR_JOBS", "").split(",") if j]
+    if len(jobs) != get_world_size():
+        raise RuntimeError(
+            f"DTENSOR_JOBS lists {len(jobs)} clients but DTENSOR_NUM_CLIENTS is "
+            f"{get_world_size()}; start the program with `tfdist run`, which sets both."
+        )
+    return jobs
+
+
+def _wait_for_coordinator(timeout: float) -> None:
+    """Clients other than 0 wait until client 0's server (the coordinator) listens."""
+    host, port = _jobs()[0].rsplit(":", 1)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=1.0):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"client {get_rank()} could not reach the coordinator (client 0) at "
+                    f"{host}:{port} within {timeout:g} s. Is client 0 running, and are "
+                    "--master-addr/--master-port (DTENSOR_JOBS) right and reachable?"
+                ) from None
+            time.sleep(0.2)
+
+
+def init_distributed(device_type: str | None = None, *, timeout: float = 300.0) -> None:
+    """Joins this process to the multi-client DTensor program (torch's init_process_group).
+
+    Reads the environment ``tfdist run`` sets (``DTENSOR_CLIENT_ID``,
+    ``DTENSOR_NUM_CLIENTS``, ``DTENSOR_JOB_NAME``, ``DTENSOR_JOBS`` and
+    ``TFDIST_VIRTUAL_CPUS``).  TPU: initialises the TPU system; GPU: one
+    process per GPU, NCCL collectives.  ``init_device_mesh`` calls it when
+    the environment says multi-client.  Idempotent.
+
+    Raises:
+        TimeoutError: client 0 (the coordinator) was not reachable in time.
+    """
+    global _initialized_device_type
+    if _initialized_device_type is not None:
+        return
+    cpus = int(os.environ.get("TFDIST_VIRTUAL_CPUS", "0") or 0)
+    if cpus:
+        _configure_virtual_cpus(cpus)
+    kind = normalize_device_type(device_type) if device_type else detect_device_type()
+    if is_multi_client() and get_rank() != 0:
+        _wait_for_coordinator(timeout)
+    if is_multi_client() or kind in ("GPU", "TPU"):
+        dtensor.initialize_accelerator_system(kind)
+    _initialized_device_type = kind
+
+
+def is_initialized() -> bool:
+    """True once devices (and, multi-client, the cluster) are set up."""
+    return _initialized_device_type is not None
+
+
+def barrier() -> None:
+    """Blocks until every client reaches it (a one-element all-reduce over all devices)."""
+    kind = _initialized_device_type or detect_device_type()
+    n = num_global_devices(kind)
+    if n == 1:
+        return
+    mesh = dtensor.create_distributed_mesh([("all", n)], device_type=kind) if is_multi_client() \
+        else dtensor.create_mesh([("all", n)], device_type=kind)
+    ones = dtensor.call_with_layout(tf.ones, dtensor.Layout(["all"], mesh), shape=(n,))
+    total = dtensor.relayout(tf.reduce_sum(ones, keepdims=True), dtensor.Layout.replicated(mesh, 1))
+    dtensor.unpack(total)[0].numpy()
+
+
+def destroy() -> None:
+    """Leaves the program: shuts the accelerator system down (torch's destroy_process_group)."""
+    global _initialized_device_type
+    if _initialized_device_type is None:
+        return
+    if is_multi_client() or _initialized_device_type in ("GPU", "TPU"):
+        dtensor.shutdown_accelerator_system()
+    _initialized_device_type = None
 
 
 def local_devices(device_type: str) -> list[str]:

@@ -1,4 +1,4 @@
-"""The ``tfdist`` command: ``demo`` and ``info``."""
+"""The ``tfdist`` command: ``demo``, ``info`` and ``run`` (the launcher)."""
 
 from __future__ import annotations
 
@@ -134,8 +134,14 @@ def _demo_gpt(mesh) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``tfdist`` console command."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["run"]:  # the launcher parses its own arguments (script args pass through)
+        from tfdist.run import main as run_main
+
+        return run_main(argv[1:])
     parser = argparse.ArgumentParser(prog="tfdist", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("run", help="start a multi-client program, torchrun-style (see tfdist run --help)")
     demo = sub.add_parser("demo", help="DTensor basics, then a Keras GPT trained with model.fit, on 8 virtual CPUs")
     demo.add_argument("--skip-keras", action="store_true", help="only the DTensor part")
     demo.set_defaults(func=_demo)
