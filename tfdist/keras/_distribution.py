@@ -21,7 +21,10 @@ class MeshDistribution(Distribution):
     def __init__(self, mesh: DeviceMesh, batch_dim_name: str | None = None) -> None:
         devices = [f"{mesh.device_type}:{i}" for i in mesh.mesh.ravel().tolist()]
         keras_mesh = keras.distribution.DeviceMesh(mesh.shape, list(mesh.axis_names), devices=devices)
-        super().__init__(keras_mesh, batch_dim_name)
+        # Every client feeds the same global batch and places only its own
+        # devices' slices (tfdist.keras._data), so Keras must not shard the
+        # dataset per worker.
+        super().__init__(keras_mesh, batch_dim_name, auto_shard_dataset=False)
         self._tfdist_mesh = mesh
 
     @property

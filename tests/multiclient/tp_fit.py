@@ -1,0 +1,37 @@
+"""Tensor-parallel model.fit; run under `tfdist run` or alone (with virtual CPUs).
+
+    python tp_fit.py OUT.npz TOTAL_DEVICES
+
+Rank 0 writes the final weights and the loss history to OUT.npz.
+"""
+
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import numpy as np  # noqa: E402
+
+import tfdist  # noqa: E402
+
+out_path, total = sys.argv[1], int(sys.argv[2])
+if "WORLD_SIZE" not in os.environ:
+    tfdist.virtual_cpus(total)  # the single-process reference: same global mesh
+import keras  # noqa: E402
+
+from tfdist.models import MLP, mlp_tp_plan  # noqa: E402
+from tfdist.tensor.parallel import parallelize_module  # noqa: E402
+
+mesh = tfdist.init_device_mesh("cpu", (2, total // 2), mesh_dim_names=("dp", "tp"))
+keras.utils.set_random_seed(0)
+model = MLP(16, 32)
+model(np.zeros((1, 16), "float32"))
+parallelize_module(model, mesh["tp"], mlp_tp_plan())
+model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+rng = np.random.default_rng(0)
+x = rng.standard_normal((64, 16)).astype("float32")
+y = rng.standard_normal((64, 16)).astype("float32")
+history = model.fit(x, y, batch_size=16, epochs=3, verbose=0, shuffle=False)
+weights = model.get_weights()
+if tfdist.get_rank() == 0:
+    np.savez(out_path, loss=np.array(history.history["loss"]), *weights)
+print(f"done rank {tfdist.get_rank()} loss {history.history['loss'][-1]:.6f}", flush=True)

@@ -1,0 +1,134 @@
+"""Real local processes through the launcher: values, model.fit, failures."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+HERE = pathlib.Path(__file__).parent / "multiclient"
+ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+pytestmark = pytest.mark.slow
+
+
+def free_base_port(n: int) -> int:
+    """A port p such that p .. p+n-1 are free on this machine."""
+    for _ in range(200):
+        base = random.randint(30000, 60000)
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                s.bind(("", p))
+                socks.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free ports")
+
+
+def launch(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tfdist.run", *args], capture_output=True, text=True,
+                          env=ENV, timeout=timeout)
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_dtensor_values_on_every_rank(nproc):
+    out = launch("--nproc-per-node", str(nproc), "--devices-per-proc", "2",
+                 "--master-port", str(free_base_port(nproc)), str(HERE / "dtensor_values.py"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    for rank in range(nproc):
+        assert f"[rank {rank}] OK rank {rank} of {nproc} clients, 2 local devices, mesh (2, {nproc})" in out.stdout
+
+
+def test_tensor_parallel_fit_across_clients_equals_one_process(tmp_path):
+    multi, single = tmp_path / "multi.npz", tmp_path / "single.npz"
+    out = launch("--nproc-per-node", "2", "--devices-per-proc", "2", "--master-port", str(free_base_port(2)),
+                 str(HERE / "tp_fit.py"), str(multi), "4")
+    assert out.returncode == 0, out.stderr[-3000:]
+    ref = subprocess.run([sys.executable, str(HERE / "tp_fit.py"), str(single), "4"], capture_output=True,
+                         text=True, env=ENV, timeout=240)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    a, b = np.load(multi), np.load(single)
+    np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-6)
+    for key in a.files:
+        np.testing.assert_allclose(a[key], b[key], atol=1e-6)
+
+
+def test_a_killed_client_stops_the_rest_in_bounded_time():
+    start = time.monotonic()
+    out = launch("--nproc-per-node", "2", "--devices-per-proc", "2", "--master-port", str(free_base_port(2)),
+                 str(HERE / "die_mid_step.py"), timeout=120)
+    elapsed = time.monotonic() - start
+    assert out.returncode == 137  # SIGKILL of rank 1
+    assert "tfdist run: rank 1 exited with code -9; stopping the other 1 process(es)" in out.stderr
+    assert "[rank 1] rank 1 dies now" in out.stdout
+    assert "unreachable" not in out.stdout
+    assert elapsed < 60
+
+
+def test_unreachable_coordinator_is_a_clear_timeout():
+    base = free_base_port(2)
+    env = {**ENV, "DTENSOR_CLIENT_ID": "1", "DTENSOR_NUM_CLIENTS": "2", "DTENSOR_JOB_NAME": "worker",
+           "DTENSOR_JOBS": f"127.0.0.1:{base},127.0.0.1:{base + 1}"}
+    code = "import tfdist\ntry:\n    tfdist.init_distributed('cpu', timeout=2)\nexcept TimeoutError as e:\n    print('TIMEOUT', e)\n"
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"TIMEOUT client 1 could not reach the coordinator (client 0) at 127.0.0.1:{base} within 2 s" in out.stdout
+    assert time.monotonic() - start < 60
+
+
+def test_launcher_checks_before_starting(tmp_path):
+    missing = launch("--nproc-per-node", "2", str(tmp_path / "nope.py"))
+    assert missing.returncode == 2 and "script not found" in missing.stderr
+    bad = launch("--nproc-per-node", "0", str(HERE / "sleeper.py"))
+    assert bad.returncode == 2 and "--nproc-per-node must be >= 1, got 0" in bad.stderr
+    base = free_base_port(2)
+    with socket.socket() as busy:
+        busy.bind(("", base + 1))
+        busy.listen()
+        taken = launch("--nproc-per-node", "2", "--master-port", str(base), str(HERE / "sleeper.py"))
+    assert taken.returncode == 2 and f"port {base + 1} (for rank 1) is already in use" in taken.stderr
+
+
+def test_launcher_forwards_signals():
+    proc = subprocess.Popen([sys.executable, "-m", "tfdist.run", "--nproc-per-node", "2", "--master-port",
+                             str(free_base_port(2)), str(HERE / "sleeper.py")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    deadline = time.monotonic() + 60
+    seen = ""
+    while seen.count("ready") < 2 and time.monotonic() < deadline:
+        seen += proc.stdout.readline()
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    seen += out
+    assert "[rank 0] got signal 15" in seen and "[rank 1] got signal 15" in seen
+    assert proc.returncode == 128 + signal.SIGTERM
+
+
+def test_two_nodes_on_one_host():
+    base = free_base_port(4)
+    script = str(HERE / "dtensor_values.py")
+    common = ["--nnodes", "2", "--nproc-per-node", "2", "--devices-per-proc", "2", "--master-port", str(base),
+              "--node-addrs", "127.0.0.1,127.0.0.1"]
+    nodes = [
+        subprocess.Popen([sys.executable, "-m", "tfdist.cli", "run", *common, "--node-rank", str(r), script],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+        for r in (0, 1)
+    ]
+    outs = [p.communicate(timeout=240) for p in nodes]
+    for p, (out, err) in zip(nodes, outs):
+        assert p.returncode == 0, err[-3000:]
+    assert "[rank 0] OK rank 0 of 4 clients" in outs[0][0] and "[rank 3] OK rank 3 of 4 clients" in outs[1][0]
