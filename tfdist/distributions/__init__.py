@@ -1,0 +1,23 @@
+"""tfdist.distributions: the torch.distributions API on TensorFlow Probability.
+
+Importing it imports TensorFlow Probability (``import tfdist`` alone does not).
+Implemented so far: the ``Distribution``/``ExponentialFamily`` API, the
+distributions listed in ``__all__``, ``kl_divergence``/``register_kl`` and
+``constraints``; see docs/distributions.md for what is still to come.
+"""
+
+from tfdist.distributions import constraints
+from tfdist.distributions._impl import (
+    Bernoulli, Beta, Binomial, Categorical, Cauchy, Chi2, Dirichlet, Exponential, ExponentialFamily,
+    Gamma, Geometric, Gumbel, HalfCauchy, HalfNormal, Independent, Laplace, LogNormal,
+    MultivariateNormal, Normal, Pareto, Poisson, StudentT, Uniform, Weibull,
+)
+from tfdist.distributions.distribution import Distribution
+from tfdist.distributions.kl import kl_divergence, register_kl
+
+__all__ = [
+    "Distribution", "ExponentialFamily", "constraints", "kl_divergence", "register_kl",
+    "Bernoulli", "Beta", "Binomial", "Categorical", "Cauchy", "Chi2", "Dirichlet", "Exponential",
+    "Gamma", "Geometric", "Gumbel", "HalfCauchy", "HalfNormal", "Independent", "Laplace",
+    "LogNormal", "MultivariateNormal", "Normal", "Pareto", "Poisson", "StudentT", "Uniform", "Weibull",
+]

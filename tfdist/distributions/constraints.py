@@ -1,0 +1,181 @@
+"""Constraints: the support of a distribution or the domain of a parameter.
+
+``constraint.check(value)`` returns a boolean tensor (one entry per event,
+i.e. reduced over ``event_dim`` trailing dims).
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+__all__ = [
+    "Constraint", "boolean", "real", "real_vector", "positive", "nonnegative", "unit_interval",
+    "interval", "half_open_interval", "greater_than", "greater_than_eq", "less_than",
+    "integer_interval", "nonnegative_integer", "positive_integer", "simplex", "independent",
+    "lower_triangular", "lower_cholesky", "positive_definite", "dependent", "is_dependent",
+]
+
+
+class Constraint:
+    """Base class: ``check(value)`` says which values satisfy the constraint."""
+
+    is_discrete = False
+    event_dim = 0
+
+    def check(self, value):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return type(self).__name__.lstrip("_") + "()"
+
+
+class _Dependent(Constraint):
+    """A placeholder for supports that depend on other parameters."""
+
+    def check(self, value):
+        raise ValueError("cannot determine validity of a dependent constraint")
+
+
+def is_dependent(constraint) -> bool:
+    return isinstance(constraint, _Dependent)
+
+
+class _Boolean(Constraint):
+    is_discrete = True
+
+    def check(self, value):
+        return tf.logical_or(tf.equal(value, 0), tf.equal(value, 1))
+
+
+class _Real(Constraint):
+    def check(self, value):
+        return tf.equal(value, value)  # False for NaN
+
+
+class _GreaterThan(Constraint):
+    def __init__(self, lower_bound):
+        self.lower_bound = lower_bound
+
+    def check(self, value):
+        return tf.greater(value, self.lower_bound)
+
+    def __repr__(self):
+        return f"GreaterThan(lower_bound={self.lower_bound})"
+
+
+class _GreaterThanEq(_GreaterThan):
+    def check(self, value):
+        return tf.greater_equal(value, self.lower_bound)
+
+    def __repr__(self):
+        return f"GreaterThanEq(lower_bound={self.lower_bound})"
+
+
+class _LessThan(Constraint):
+    def __init__(self, upper_bound):
+        self.upper_bound = upper_bound
+
+    def check(self, value):
+        return tf.less(value, self.upper_bound)
+
+
+class _Interval(Constraint):
+    def __init__(self, lower_bound, upper_bound):
+        self.lower_bound, self.upper_bound = lower_bound, upper_bound
+
+    def check(self, value):
+        return tf.logical_and(tf.greater_equal(value, self.lower_bound), tf.less_equal(value, self.upper_bound))
+
+    def __repr__(self):
+        return f"{type(self).__name__.lstrip('_')}(lower_bound={self.lower_bound}, upper_bound={self.upper_bound})"
+
+
+class _HalfOpenInterval(_Interval):
+    def check(self, value):
+        return tf.logical_and(tf.greater_equal(value, self.lower_bound), tf.less(value, self.upper_bound))
+
+
+class _IntegerInterval(_Interval):
+    is_discrete = True
+
+    def check(self, value):
+        return tf.logical_and(tf.equal(value, tf.round(value)), super().check(value))
+
+
+class _IntegerGreaterThan(_GreaterThanEq):
+    is_discrete = True
+
+    def check(self, value):
+        return tf.logical_and(tf.equal(value, tf.round(value)), super().check(value))
+
+
+class _Independent(Constraint):
+    """Reinterprets ``n`` batch dims of a constraint as event dims."""
+
+    def __init__(self, base: Constraint, reinterpreted_batch_ndims: int):
+        self.base_constraint, self.reinterpreted_batch_ndims = base, reinterpreted_batch_ndims
+
+    @property
+    def is_discrete(self):
+        return self.base_constraint.is_discrete
+
+    @property
+    def event_dim(self):
+        return self.base_constraint.event_dim + self.reinterpreted_batch_ndims
+
+    def check(self, value):
+        ok = self.base_constraint.check(value)
+        if self.reinterpreted_batch_ndims:
+            ok = tf.reduce_all(ok, axis=list(range(-self.reinterpreted_batch_ndims, 0)))
+        return ok
+
+
+class _Simplex(Constraint):
+    event_dim = 1
+
+    def check(self, value):
+        return tf.logical_and(tf.reduce_all(value >= 0, axis=-1),
+                              tf.abs(tf.reduce_sum(value, axis=-1) - 1) < 1e-6)
+
+
+class _LowerTriangular(Constraint):
+    event_dim = 2
+
+    def check(self, value):
+        return tf.reduce_all(tf.equal(tf.linalg.band_part(value, -1, 0), value), axis=[-2, -1])
+
+
+class _LowerCholesky(_LowerTriangular):
+    def check(self, value):
+        diag = tf.linalg.diag_part(value)
+        return tf.logical_and(super().check(value), tf.reduce_all(diag > 0, axis=-1))
+
+
+class _PositiveDefinite(Constraint):
+    event_dim = 2
+
+    def check(self, value):
+        sym = tf.reduce_all(tf.abs(value - tf.linalg.matrix_transpose(value)) < 1e-6, axis=[-2, -1])
+        return tf.logical_and(sym, tf.reduce_all(tf.linalg.eigvalsh(value) > 0, axis=-1))
+
+
+dependent = _Dependent()
+boolean = _Boolean()
+real = _Real()
+real_vector = _Independent(real, 1)
+positive = _GreaterThan(0.0)
+nonnegative = _GreaterThanEq(0.0)
+unit_interval = _Interval(0.0, 1.0)
+nonnegative_integer = _IntegerGreaterThan(0)
+positive_integer = _IntegerGreaterThan(1)
+simplex = _Simplex()
+lower_triangular = _LowerTriangular()
+lower_cholesky = _LowerCholesky()
+positive_definite = _PositiveDefinite()
+interval = _Interval
+half_open_interval = _HalfOpenInterval
+greater_than = _GreaterThan
+greater_than_eq = _GreaterThanEq
+less_than = _LessThan
+integer_interval = _IntegerInterval
+independent = _Independent

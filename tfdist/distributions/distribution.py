@@ -1,0 +1,181 @@
+"""Distribution: torch.distributions' base class, on TensorFlow.
+
+Shapes follow torch: ``sample(sample_shape)`` has shape
+``sample_shape + batch_shape + event_shape``; ``log_prob(value)`` reduces the
+event dims.  Methods a distribution does not define raise
+``NotImplementedError`` exactly where torch's do.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import tensorflow as tf
+
+from tfdist.distributions import constraints
+
+__all__ = ["Distribution"]
+
+_VALIDATE_DEFAULT = True  # torch validates by default (when not under -O)
+
+
+def _shape(shape) -> tf.TensorShape:
+    if isinstance(shape, int):
+        shape = (shape,)
+    return tf.TensorShape(shape)
+
+
+class Distribution:
+    """Base class of every distribution (torch.distributions.Distribution)."""
+
+    has_rsample = False
+    has_enumerate_support = False
+    arg_constraints: dict[str, constraints.Constraint] = {}
+    support: constraints.Constraint | None = None
+
+    @staticmethod
+    def set_default_validate_args(value: bool) -> None:
+        """Sets whether new distributions validate their arguments by default."""
+        if value not in (True, False):
+            raise ValueError(f"value must be True or False. Received: value={value!r}")
+        global _VALIDATE_DEFAULT
+        _VALIDATE_DEFAULT = value
+
+    def __init__(self, batch_shape=(), event_shape=(), validate_args: bool | None = None) -> None:
+        self._batch_shape = _shape(batch_shape)
+        self._event_shape = _shape(event_shape)
+        self._validate_args = _VALIDATE_DEFAULT if validate_args is None else validate_args
+        if self._validate_args and tf.executing_eagerly():
+            self._check_parameters()
+
+    def _check_parameters(self) -> None:
+        for name, constraint in self.arg_constraints.items():
+            if constraints.is_dependent(constraint) or name not in self.__dict__ and not hasattr(type(self), name):
+                continue
+            value = getattr(self, name, None)
+            if value is None or isinstance(value, property):
+                continue
+            ok = constraint.check(value)
+            if not bool(tf.reduce_all(ok)):
+                raise ValueError(
+                    f"Expected parameter {name} ({type(value).__name__} of shape {tuple(value.shape)}) "
+                    f"of distribution {type(self).__name__} to satisfy the constraint {constraint!r}, "
+                    f"but found invalid values:\n{value}"
+                )
+
+    # -- shapes ----------------------------------------------------------------
+    @property
+    def batch_shape(self) -> tf.TensorShape:
+        return self._batch_shape
+
+    @property
+    def event_shape(self) -> tf.TensorShape:
+        return self._event_shape
+
+    def _extended_shape(self, sample_shape=()) -> tf.TensorShape:
+        return _shape(sample_shape).concatenate(self._batch_shape).concatenate(self._event_shape)
+
+    def expand(self, batch_shape, _instance=None):  # pragma: no cover - per class
+        raise NotImplementedError
+
+    # -- sampling -----------------------------------------------------------------
+    def sample(self, sample_shape=()) -> tf.Tensor:
+        """Draws samples (not differentiable); shape ``sample_shape + batch + event``."""
+        return tf.stop_gradient(self.rsample(sample_shape)) if self.has_rsample else self._sample(sample_shape)
+
+    def rsample(self, sample_shape=()) -> tf.Tensor:
+        """Draws reparameterised samples, differentiable with respect to the parameters."""
+        raise NotImplementedError
+
+    def _sample(self, sample_shape) -> tf.Tensor:
+        raise NotImplementedError
+
+    def sample_n(self, n: int) -> tf.Tensor:
+        return self.sample((n,))
+
+    # -- densities and moments -------------------------------------------------------
+    def log_prob(self, value) -> tf.Tensor:
+        raise NotImplementedError
+
+    def cdf(self, value) -> tf.Tensor:
+        raise NotImplementedError
+
+    def icdf(self, value) -> tf.Tensor:
+        raise NotImplementedError
+
+    def entropy(self) -> tf.Tensor:
+        raise NotImplementedError
+
+    def enumerate_support(self, expand: bool = True) -> tf.Tensor:
+        raise NotImplementedError
+
+    @property
+    def mean(self) -> tf.Tensor:
+        raise NotImplementedError
+
+    @property
+    def mode(self) -> tf.Tensor:
+        raise NotImplementedError(f"{type(self)} does not implement mode")
+
+    @property
+    def variance(self) -> tf.Tensor:
+        raise NotImplementedError
+
+    @property
+    def stddev(self) -> tf.Tensor:
+        return tf.sqrt(self.variance)
+
+    def perplexity(self) -> tf.Tensor:
+        return tf.exp(self.entropy())
+
+    # -- validation ---------------------------------------------------------------------
+    def _validate_sample(self, value) -> None:
+        if not self._validate_args or not tf.executing_eagerly() or self.support is None:
+            return
+        value = tf.convert_to_tensor(value)
+        event_ndims = len(self._event_shape)
+        if value.shape.rank < event_ndims or value.shape[value.shape.rank - event_ndims:] != self._event_shape:
+            raise ValueError(
+                f"The right-most size of value must match event_shape: {tuple(value.shape)} vs "
+                f"{tuple(self._event_shape)}."
+            )
+        support = self.support
+        if constraints.is_dependent(support):
+            return
+        if not bool(tf.reduce_all(support.check(value))):
+            raise ValueError(
+                f"Expected value argument ({type(value).__name__} of shape {tuple(value.shape)}) to be "
+                f"within the support ({support!r}) of the distribution {type(self).__name__}, but found "
+                f"invalid values:\n{value}"
+            )
+
+    def __repr__(self) -> str:
+        params = ", ".join(
+            f"{k}: {tuple(getattr(self, k).shape) if getattr(self, k).shape.rank else float(getattr(self, k))}"
+            for k in self.arg_constraints if k in self.__dict__
+        )
+        return f"{type(self).__name__}({params})"
+
+
+def broadcast_all(*values: Any, dtype=None) -> list[tf.Tensor]:
+    """Converts and broadcasts parameters to one shape (torch's broadcast_all)."""
+    tensors = [v for v in values if isinstance(v, (tf.Tensor, tf.Variable))]
+    if dtype is None:
+        dtype = tensors[0].dtype if tensors else tf.float32
+        if not dtype.is_floating:
+            dtype = tf.float32
+    converted = [tf.convert_to_tensor(v, dtype=dtype) if not isinstance(v, tf.Tensor) or v.dtype != dtype
+                 else v for v in values]
+    converted = [tf.cast(v, dtype) for v in converted]
+    shape = tf.TensorShape(())
+    for v in converted:
+        shape = tf.broadcast_static_shape(shape, v.shape)
+    return [tf.broadcast_to(v, shape) for v in converted]
+
+
+def sum_rightmost(value: tf.Tensor, dims: int) -> tf.Tensor:
+    return tf.reduce_sum(value, axis=list(range(-dims, 0))) if dims else value
+
+
+def as_shape(shape: Sequence[int] | int) -> tf.TensorShape:
+    return _shape(shape)
