@@ -169,63 +169,25 @@ class _OneParam(_TFPBacked):
         return (self._param,)
 
 
-class HalfNormal(_OneParam):
-    """HalfNormal(scale)."""
-
-    _param = "scale"
-    arg_constraints = {"scale": constraints.positive}
-    support = constraints.nonnegative
-    has_rsample = True
-
-    def _tfp(self):
-        return tfd().HalfNormal(self.scale)
-
-
-class HalfCauchy(_OneParam):
-    """HalfCauchy(scale)."""
-
-    _param = "scale"
-    arg_constraints = {"scale": constraints.positive}
-    support = constraints.nonnegative
-    has_rsample = True
-
-    def _tfp(self):
-        return tfd().HalfCauchy(loc=tf.zeros_like(self.scale), scale=self.scale)
+def _one(cls_name, param, make, support, *, constraint=constraints.positive, has_rsample=True,
+         exp_family=False):
+    """A distribution with one parameter ``param``; ``make(value)`` builds the TFP distribution."""
+    bases = (_OneParam, ExponentialFamily) if exp_family else (_OneParam,)
+    return type(cls_name, bases, {
+        "_param": param, "arg_constraints": {param: constraint}, "support": support,
+        "has_rsample": has_rsample, "_tfp": lambda self: make(getattr(self, param)),
+        "__doc__": f"{cls_name}({param}) with torch's parameterisation.",
+    })
 
 
-class Exponential(_OneParam, ExponentialFamily):
-    """Exponential(rate)."""
-
-    _param = "rate"
-    arg_constraints = {"rate": constraints.positive}
-    support = constraints.nonnegative
-    has_rsample = True
-
-    def _tfp(self):
-        return tfd().Exponential(self.rate)
-
-
-class Chi2(_OneParam):
-    """Chi2(df)."""
-
-    _param = "df"
-    arg_constraints = {"df": constraints.positive}
-    support = constraints.nonnegative
-    has_rsample = True
-
-    def _tfp(self):
-        return tfd().Chi2(self.df)
-
-
-class Poisson(_OneParam, ExponentialFamily):
-    """Poisson(rate)."""
-
-    _param = "rate"
-    arg_constraints = {"rate": constraints.nonnegative}
-    support = constraints.nonnegative_integer
-
-    def _tfp(self):
-        return tfd().Poisson(rate=self.rate)
+HalfNormal = _one("HalfNormal", "scale", lambda s: tfd().HalfNormal(s), constraints.nonnegative)
+HalfCauchy = _one("HalfCauchy", "scale", lambda s: tfd().HalfCauchy(loc=tf.zeros_like(s), scale=s),
+                  constraints.nonnegative)
+Exponential = _one("Exponential", "rate", lambda r: tfd().Exponential(r), constraints.nonnegative,
+                   exp_family=True)
+Chi2 = _one("Chi2", "df", lambda df: tfd().Chi2(df), constraints.nonnegative)
+Poisson = _one("Poisson", "rate", lambda r: tfd().Poisson(rate=r), constraints.nonnegative_integer,
+               constraint=constraints.nonnegative, has_rsample=False, exp_family=True)
 
 
 class Uniform(_TFPBacked):
@@ -299,6 +261,18 @@ class _ProbsLogits(_TFPBacked):
     def _extra_kwargs(self):
         return {}
 
+    # binary events; Categorical overrides both
+    @property
+    def probs(self):
+        return self._probs_value if self._given == "probs" else tf.sigmoid(self._logits_value)
+
+    @property
+    def logits(self):
+        if self._given == "logits":
+            return self._logits_value
+        p = tf.clip_by_value(self._probs_value, 1e-7, 1 - 1e-7)
+        return tf.math.log(p) - tf.math.log1p(-p)
+
 
 class Bernoulli(_ProbsLogits, ExponentialFamily):
     """Bernoulli(probs=None, logits=None)."""
@@ -311,17 +285,6 @@ class Bernoulli(_ProbsLogits, ExponentialFamily):
         self._set_probs_logits(probs, logits)
         shape = (self._probs_value if self._given == "probs" else self._logits_value).shape
         super().__init__(shape, (), validate_args)
-
-    @property
-    def probs(self):
-        return self._probs_value if self._given == "probs" else tf.sigmoid(self._logits_value)
-
-    @property
-    def logits(self):
-        if self._given == "logits":
-            return self._logits_value
-        p = tf.clip_by_value(self._probs_value, 1e-7, 1 - 1e-7)
-        return tf.math.log(p) - tf.math.log1p(-p)
 
     def _tfp(self):
         return tfd().Bernoulli(logits=self.logits, dtype=self._dtype)
@@ -346,14 +309,6 @@ class Geometric(_ProbsLogits):
         shape = (self._probs_value if self._given == "probs" else self._logits_value).shape
         super().__init__(shape, (), validate_args)
 
-    @property
-    def probs(self):
-        return self._probs_value if self._given == "probs" else tf.sigmoid(self._logits_value)
-
-    @property
-    def logits(self):
-        return self._logits_value if self._given == "logits" else tf.math.log(self.probs) - tf.math.log1p(-self.probs)
-
     def _tfp(self):
         return tfd().Geometric(probs=self.probs)
 
@@ -375,10 +330,6 @@ class Binomial(_ProbsLogits):
         else:
             self._logits_value = param
         super().__init__(param.shape, (), validate_args)
-
-    @property
-    def probs(self):
-        return self._probs_value if self._given == "probs" else tf.sigmoid(self._logits_value)
 
     def _tfp(self):
         if self._given == "probs":

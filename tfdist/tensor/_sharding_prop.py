@@ -116,6 +116,23 @@ def matmul_strategy(
         d = d_out - (ro - 2) + (len(spec.shape) - 2)
         return d if d >= 0 and spec.shape[d] == out_shape[d_out] else None
 
+    def claim(m, p, own, other, t_own, t_other, used_own, used_other, k_dim, free_out) -> bool:
+        """Gives mesh dim ``m`` to operand ``own``'s sharded free or batch dim, if it can."""
+        if not isinstance(p, Shard) or p.dim == k_dim:
+            return False
+        d_out = free_out if free_out is not None else batch_dim(own, p.dim)
+        if d_out is None or d_out in used_o:
+            return False
+        t_own[m], out[m] = p, Shard(d_out)
+        used_own.add(p.dim)
+        used_o.add(d_out)
+        if d_out < ro - 2:  # a batch dim: the other operand shards it too
+            d_other = other_batch(other, d_out)
+            if d_other is not None:
+                t_other[m] = Shard(d_other)
+                used_other.add(d_other)
+        return True
+
     for m in range(n_mesh):
         pa, pb = _no_partial(a.root_placements[m]), _no_partial(b.root_placements[m])
         if (pa.is_shard(a_k) or pb.is_shard(b_k)) and a_k not in used_a and b_k not in used_b \
@@ -123,25 +140,10 @@ def matmul_strategy(
             ta[m], tb[m] = Shard(a_k), Shard(b_k)
             used_a.add(a_k); used_b.add(b_k)
             continue
-        if isinstance(pa, Shard) and pa.dim != a_k:
-            d_out = ro - 2 if pa.dim == a_m else batch_dim(a, pa.dim)
-            if d_out is not None and d_out not in used_o:
-                ta[m], out[m] = pa, Shard(d_out)
-                used_a.add(pa.dim); used_o.add(d_out)
-                if d_out < ro - 2:
-                    d_b = other_batch(b, d_out)
-                    if d_b is not None:
-                        tb[m] = Shard(d_b); used_b.add(d_b)
-                continue
-        if isinstance(pb, Shard) and pb.dim != b_k:
-            d_out = ro - 1 if pb.dim == b_n else batch_dim(b, pb.dim)
-            if d_out is not None and d_out not in used_o:
-                tb[m], out[m] = pb, Shard(d_out)
-                used_b.add(pb.dim); used_o.add(d_out)
-                if d_out < ro - 2:
-                    d_a = other_batch(a, d_out)
-                    if d_a is not None:
-                        ta[m] = Shard(d_a); used_a.add(d_a)
+        # a's row/batch dim, else b's column/batch dim, carries over to the output
+        if claim(m, pa, a, b, ta, tb, used_a, used_b, a_k, ro - 2 if pa.is_shard(a_m) else None):
+            continue
+        claim(m, pb, b, a, tb, ta, used_b, used_a, b_k, ro - 1 if pb.is_shard(b_n) else None)
     return ([tuple(ta), tuple(tb)], tuple(out)), out_shape
 
 
