@@ -6,7 +6,9 @@ distributions listed in ``__all__``, ``kl_divergence``/``register_kl`` and
 ``constraints``; see docs/distributions.md for what is still to come.
 """
 
-from tfdist.distributions import constraints
+from tfdist.distributions import constraints, transforms
+from tfdist.distributions.constraint_registry import biject_to, transform_to
+from tfdist.distributions.transformed_distribution import TransformedDistribution
 from tfdist.distributions._impl import (
     Bernoulli, Beta, Binomial, Categorical, Cauchy, Chi2, Dirichlet, Exponential, ExponentialFamily,
     Gamma, Geometric, Gumbel, HalfCauchy, HalfNormal, Independent, Laplace, LogNormal,
@@ -17,6 +19,7 @@ from tfdist.distributions.kl import kl_divergence, register_kl
 
 __all__ = [
     "Distribution", "ExponentialFamily", "constraints", "kl_divergence", "register_kl",
+    "transforms", "biject_to", "transform_to", "TransformedDistribution",
     "Bernoulli", "Beta", "Binomial", "Categorical", "Cauchy", "Chi2", "Dirichlet", "Exponential",
     "Gamma", "Geometric", "Gumbel", "HalfCauchy", "HalfNormal", "Independent", "Laplace",
     "LogNormal", "MultivariateNormal", "Normal", "Pareto", "Poisson", "StudentT", "Uniform", "Weibull",

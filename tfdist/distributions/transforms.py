@@ -1,0 +1,513 @@
+"""Transforms (torch.distributions.transforms): invertible maps with log|det J|.
+
+``t(x)`` maps forward, ``t.inv`` is the inverse transform, and
+``t.log_abs_det_jacobian(x, y)`` is the log absolute Jacobian determinant,
+summed over ``t.domain.event_dim`` trailing dims.  ``cache_size=1`` caches the
+last ``(x, y)`` pair, so ``t.inv(t(x))`` returns ``x`` itself.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import tensorflow as tf
+
+from tfdist.distributions import constraints
+
+__all__ = [
+    "Transform", "ComposeTransform", "ExpTransform", "AffineTransform", "SigmoidTransform",
+    "TanhTransform", "SoftplusTransform", "PowerTransform", "AbsTransform", "IndependentTransform",
+    "ReshapeTransform", "SoftmaxTransform", "StickBreakingTransform", "LowerCholeskyTransform",
+    "CumulativeDistributionTransform", "identity_transform",
+]
+
+
+def _sum_rightmost(value: tf.Tensor, dims: int) -> tf.Tensor:
+    return tf.reduce_sum(value, axis=list(range(-dims, 0))) if dims > 0 else value
+
+
+class Transform:
+    """Base class: subclasses define ``_call``, ``_inverse`` and ``log_abs_det_jacobian``."""
+
+    bijective = False
+    domain: constraints.Constraint = constraints.real
+    codomain: constraints.Constraint = constraints.real
+
+    def __init__(self, cache_size: int = 0) -> None:
+        if cache_size not in (0, 1):
+            raise ValueError(f"cache_size must be 0 or 1. Received: cache_size={cache_size!r}")
+        self._cache_size = cache_size
+        self._cached_x_y = (None, None)
+        self._inv = None
+
+    @property
+    def event_dim(self) -> int:
+        return self.domain.event_dim
+
+    @property
+    def sign(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def inv(self) -> Transform:
+        if self._inv is None:
+            self._inv = _InverseTransform(self)
+        return self._inv
+
+    def with_cache(self, cache_size: int = 1) -> Transform:
+        if self._cache_size == cache_size:
+            return self
+        raise NotImplementedError(f"{type(self).__name__}.with_cache is not implemented")
+
+    def __call__(self, x):
+        if self._cache_size == 0:
+            return self._call(x)
+        x_old, y_old = self._cached_x_y
+        if x is x_old:
+            return y_old
+        y = self._call(x)
+        self._cached_x_y = (x, y)
+        return y
+
+    def _inv_call(self, y):
+        if self._cache_size == 0:
+            return self._inverse(y)
+        x_old, y_old = self._cached_x_y
+        if y is y_old:
+            return x_old
+        x = self._inverse(y)
+        self._cached_x_y = (x, y)
+        return x
+
+    def _call(self, x):
+        raise NotImplementedError
+
+    def _inverse(self, y):
+        raise NotImplementedError
+
+    def log_abs_det_jacobian(self, x, y):
+        raise NotImplementedError
+
+    def forward_shape(self, shape):
+        return shape
+
+    def inverse_shape(self, shape):
+        return shape
+
+    def __eq__(self, other):
+        return self is other
+
+    def __hash__(self):
+        return id(self)
+
+    def __repr__(self):
+        return f"{type(self).__name__}()"
+
+
+class _InverseTransform(Transform):
+    def __init__(self, transform: Transform) -> None:
+        super().__init__(cache_size=transform._cache_size)
+        self._inv = transform
+
+    @property
+    def domain(self):
+        return self._inv.codomain
+
+    @property
+    def codomain(self):
+        return self._inv.domain
+
+    @property
+    def bijective(self):
+        return self._inv.bijective
+
+    @property
+    def sign(self):
+        return self._inv.sign
+
+    @property
+    def inv(self):
+        return self._inv
+
+    def __call__(self, x):
+        return self._inv._inv_call(x)
+
+    def log_abs_det_jacobian(self, x, y):
+        return -self._inv.log_abs_det_jacobian(y, x)
+
+    def __eq__(self, other):
+        return isinstance(other, _InverseTransform) and self._inv == other._inv
+
+    def __hash__(self):
+        return hash(("inv", self._inv))
+
+
+class ComposeTransform(Transform):
+    """Applies ``parts`` in order."""
+
+    def __init__(self, parts: Sequence[Transform], cache_size: int = 0) -> None:
+        super().__init__(cache_size=cache_size)
+        self.parts = list(parts)
+
+    @property
+    def bijective(self):
+        return all(p.bijective for p in self.parts)
+
+    @property
+    def domain(self):
+        if not self.parts:
+            return constraints.real
+        return self.parts[0].domain
+
+    @property
+    def codomain(self):
+        if not self.parts:
+            return constraints.real
+        return self.parts[-1].codomain
+
+    @property
+    def sign(self):
+        s = 1
+        for p in self.parts:
+            s *= p.sign
+        return s
+
+    def _call(self, x):
+        for p in self.parts:
+            x = p(x)
+        return x
+
+    def _inverse(self, y):
+        for p in reversed(self.parts):
+            y = p.inv(y)
+        return y
+
+    @property
+    def inv(self):
+        return ComposeTransform([p.inv for p in reversed(self.parts)])
+
+    def log_abs_det_jacobian(self, x, y):
+        if not self.parts:
+            return tf.zeros_like(x)
+        event_dim = max([p.domain.event_dim for p in self.parts] + [0])
+        total = 0.0
+        for p in self.parts:
+            y_p = p(x)
+            total = total + _sum_rightmost(p.log_abs_det_jacobian(x, y_p), event_dim - p.domain.event_dim)
+            x = y_p
+        return total
+
+    def __eq__(self, other):
+        return isinstance(other, ComposeTransform) and self.parts == other.parts
+
+    def __hash__(self):
+        return hash(tuple(self.parts))
+
+
+identity_transform = ComposeTransform([])
+
+
+class ExpTransform(Transform):
+    """y = exp(x)."""
+
+    bijective = True
+    codomain = constraints.positive
+    sign = 1
+
+    def _call(self, x):
+        return tf.exp(x)
+
+    def _inverse(self, y):
+        return tf.math.log(y)
+
+    def log_abs_det_jacobian(self, x, y):
+        return tf.convert_to_tensor(x)
+
+    def __eq__(self, other):
+        return isinstance(other, ExpTransform)
+
+    def __hash__(self):
+        return hash(ExpTransform)
+
+
+class AffineTransform(Transform):
+    """y = loc + scale * x (``event_dim`` trailing dims form one event)."""
+
+    bijective = True
+
+    def __init__(self, loc, scale, event_dim: int = 0, cache_size: int = 0) -> None:
+        super().__init__(cache_size=cache_size)
+        self.loc, self.scale, self._event_dim = loc, scale, event_dim
+
+    @property
+    def domain(self):
+        return constraints.independent(constraints.real, self._event_dim) if self._event_dim else constraints.real
+
+    codomain = domain
+
+    @property
+    def sign(self):
+        return tf.sign(self.scale)
+
+    def _call(self, x):
+        return self.loc + self.scale * x
+
+    def _inverse(self, y):
+        return (y - self.loc) / self.scale
+
+    def log_abs_det_jacobian(self, x, y):
+        result = tf.broadcast_to(tf.math.log(tf.abs(tf.cast(self.scale, tf.convert_to_tensor(x).dtype))),
+                                 tf.shape(x))
+        return _sum_rightmost(result, self._event_dim)
+
+
+class SigmoidTransform(Transform):
+    """y = sigmoid(x)."""
+
+    bijective = True
+    codomain = constraints.unit_interval
+    sign = 1
+
+    def _call(self, x):
+        return tf.sigmoid(x)
+
+    def _inverse(self, y):
+        y = tf.clip_by_value(y, 1e-7, 1 - 1e-7) if y.dtype == tf.float32 else y
+        return tf.math.log(y) - tf.math.log1p(-y)
+
+    def log_abs_det_jacobian(self, x, y):
+        return -tf.nn.softplus(-x) - tf.nn.softplus(x)
+
+
+class TanhTransform(Transform):
+    """y = tanh(x)."""
+
+    bijective = True
+    codomain = constraints.interval(-1.0, 1.0)
+    sign = 1
+
+    def _call(self, x):
+        return tf.tanh(x)
+
+    def _inverse(self, y):
+        return tf.atanh(y)
+
+    def log_abs_det_jacobian(self, x, y):
+        # log(1 - tanh(x)^2), stably
+        return 2.0 * (math.log(2.0) - x - tf.nn.softplus(-2.0 * x))
+
+
+class SoftplusTransform(Transform):
+    """y = log(1 + exp(x))."""
+
+    bijective = True
+    codomain = constraints.positive
+    sign = 1
+
+    def _call(self, x):
+        return tf.nn.softplus(x)
+
+    def _inverse(self, y):
+        return y + tf.math.log(-tf.math.expm1(-y))
+
+    def log_abs_det_jacobian(self, x, y):
+        return -tf.nn.softplus(-x)
+
+
+class PowerTransform(Transform):
+    """y = x ** exponent on positive reals."""
+
+    bijective = True
+    domain = constraints.positive
+    codomain = constraints.positive
+
+    def __init__(self, exponent, cache_size: int = 0) -> None:
+        super().__init__(cache_size=cache_size)
+        self.exponent = exponent
+
+    @property
+    def sign(self):
+        return tf.sign(self.exponent)
+
+    def _call(self, x):
+        return tf.pow(x, self.exponent)
+
+    def _inverse(self, y):
+        return tf.pow(y, 1.0 / self.exponent)
+
+    def log_abs_det_jacobian(self, x, y):
+        return tf.math.log(tf.abs(self.exponent * y / x))
+
+
+class AbsTransform(Transform):
+    """y = |x| (not bijective; ``inv`` gives the positive root)."""
+
+    codomain = constraints.positive
+
+    def _call(self, x):
+        return tf.abs(x)
+
+    def _inverse(self, y):
+        return y
+
+
+class IndependentTransform(Transform):
+    """Treats ``reinterpreted_batch_ndims`` more trailing dims as one event."""
+
+    def __init__(self, base_transform: Transform, reinterpreted_batch_ndims: int, cache_size: int = 0) -> None:
+        super().__init__(cache_size=cache_size)
+        self.base_transform, self.reinterpreted_batch_ndims = base_transform, reinterpreted_batch_ndims
+
+    @property
+    def domain(self):
+        return constraints.independent(self.base_transform.domain, self.reinterpreted_batch_ndims)
+
+    @property
+    def codomain(self):
+        return constraints.independent(self.base_transform.codomain, self.reinterpreted_batch_ndims)
+
+    @property
+    def bijective(self):
+        return self.base_transform.bijective
+
+    @property
+    def sign(self):
+        return self.base_transform.sign
+
+    def _call(self, x):
+        return self.base_transform(x)
+
+    def _inverse(self, y):
+        return self.base_transform.inv(y)
+
+    def log_abs_det_jacobian(self, x, y):
+        return _sum_rightmost(self.base_transform.log_abs_det_jacobian(x, y), self.reinterpreted_batch_ndims)
+
+
+class ReshapeTransform(Transform):
+    """Reshapes the right-most ``in_shape`` dims to ``out_shape`` (volume preserving)."""
+
+    bijective = True
+    sign = 1
+
+    def __init__(self, in_shape, out_shape, cache_size: int = 0) -> None:
+        super().__init__(cache_size=cache_size)
+        self.in_shape, self.out_shape = tuple(in_shape), tuple(out_shape)
+        if math.prod(self.in_shape) != math.prod(self.out_shape):
+            raise ValueError(f"in_shape {self.in_shape} and out_shape {self.out_shape} have different sizes")
+
+    @property
+    def domain(self):
+        return constraints.independent(constraints.real, len(self.in_shape))
+
+    @property
+    def codomain(self):
+        return constraints.independent(constraints.real, len(self.out_shape))
+
+    def _call(self, x):
+        batch = tf.shape(x)[: tf.rank(x) - len(self.in_shape)]
+        return tf.reshape(x, tf.concat([batch, self.out_shape], 0))
+
+    def _inverse(self, y):
+        batch = tf.shape(y)[: tf.rank(y) - len(self.out_shape)]
+        return tf.reshape(y, tf.concat([batch, self.in_shape], 0))
+
+    def log_abs_det_jacobian(self, x, y):
+        batch = tf.shape(x)[: tf.rank(x) - len(self.in_shape)]
+        return tf.zeros(batch, dtype=tf.convert_to_tensor(x).dtype)
+
+    def forward_shape(self, shape):
+        return tuple(shape[: len(shape) - len(self.in_shape)]) + self.out_shape
+
+    def inverse_shape(self, shape):
+        return tuple(shape[: len(shape) - len(self.out_shape)]) + self.in_shape
+
+
+class SoftmaxTransform(Transform):
+    """Unconstrained vector -> simplex by softmax (not bijective)."""
+
+    domain = constraints.real_vector
+    codomain = constraints.simplex
+
+    def _call(self, x):
+        return tf.nn.softmax(x, axis=-1)
+
+    def _inverse(self, y):
+        return tf.math.log(y)
+
+
+class StickBreakingTransform(Transform):
+    """R^{K-1} -> the K-simplex by stick breaking (bijective)."""
+
+    bijective = True
+    domain = constraints.real_vector
+    codomain = constraints.simplex
+    sign = 1
+
+    def _offset(self, x):
+        k = tf.cast(tf.shape(x)[-1], x.dtype)
+        return k - tf.cumsum(tf.ones_like(x), axis=-1) + 1.0  # K, K-1, ..., 1 ... offset = K - i
+
+    def _call(self, x):
+        z = tf.sigmoid(x - tf.math.log(self._offset(x)))
+        z_cumprod = tf.math.cumprod(1 - z, axis=-1)
+        pad = tf.ones_like(z[..., :1])
+        return tf.concat([z, pad], -1) * tf.concat([pad, z_cumprod], -1)
+
+    def _inverse(self, y):
+        y_crop = y[..., :-1]
+        offset = self._offset(y_crop)
+        sf = 1 - tf.cumsum(y_crop, axis=-1)
+        sf = tf.maximum(sf, tf.experimental.numpy.finfo(y.dtype.as_numpy_dtype).tiny)
+        return tf.math.log(y_crop) - tf.math.log(sf) + tf.math.log(offset)
+
+    def log_abs_det_jacobian(self, x, y):
+        x = x - tf.math.log(self._offset(x))
+        return tf.reduce_sum(-x + tf.math.log_sigmoid(x) + tf.math.log(y[..., :-1]), axis=-1)
+
+    def forward_shape(self, shape):
+        return tuple(shape[:-1]) + (shape[-1] + 1,)
+
+    def inverse_shape(self, shape):
+        return tuple(shape[:-1]) + (shape[-1] - 1,)
+
+
+class LowerCholeskyTransform(Transform):
+    """Unconstrained matrix -> lower-triangular with positive diagonal (not bijective)."""
+
+    domain = constraints.independent(constraints.real, 2)
+    codomain = constraints.lower_cholesky
+
+    def _call(self, x):
+        strict = tf.linalg.band_part(x, -1, 0) - tf.linalg.diag(tf.linalg.diag_part(x))
+        return strict + tf.linalg.diag(tf.exp(tf.linalg.diag_part(x)))
+
+    def _inverse(self, y):
+        strict = tf.linalg.band_part(y, -1, 0) - tf.linalg.diag(tf.linalg.diag_part(y))
+        return strict + tf.linalg.diag(tf.math.log(tf.linalg.diag_part(y)))
+
+
+class CumulativeDistributionTransform(Transform):
+    """y = distribution.cdf(x): maps the distribution's support to the unit interval."""
+
+    bijective = True
+    codomain = constraints.unit_interval
+    sign = 1
+
+    def __init__(self, distribution, cache_size: int = 0) -> None:
+        super().__init__(cache_size=cache_size)
+        self.distribution = distribution
+
+    @property
+    def domain(self):
+        return self.distribution.support
+
+    def _call(self, x):
+        return self.distribution.cdf(x)
+
+    def _inverse(self, y):
+        return self.distribution.icdf(y)
+
+    def log_abs_det_jacobian(self, x, y):
+        return self.distribution.log_prob(x)
