@@ -14,6 +14,11 @@ from tfdist.distributions._impl import (
     Gamma, Geometric, Gumbel, HalfCauchy, HalfNormal, Independent, Laplace, LogNormal,
     MultivariateNormal, Normal, Pareto, Poisson, StudentT, Uniform, Weibull,
 )
+from tfdist.distributions._more import (
+    ContinuousBernoulli, FisherSnedecor, InverseGamma, Kumaraswamy, LKJCholesky, LogitRelaxedBernoulli,
+    LowRankMultivariateNormal, MixtureSameFamily, Multinomial, NegativeBinomial, OneHotCategorical,
+    RelaxedBernoulli, RelaxedOneHotCategorical, VonMises, Wishart,
+)
 from tfdist.distributions.distribution import Distribution
 from tfdist.distributions.kl import kl_divergence, register_kl
 
@@ -23,4 +28,8 @@ __all__ = [
     "Bernoulli", "Beta", "Binomial", "Categorical", "Cauchy", "Chi2", "Dirichlet", "Exponential",
     "Gamma", "Geometric", "Gumbel", "HalfCauchy", "HalfNormal", "Independent", "Laplace",
     "LogNormal", "MultivariateNormal", "Normal", "Pareto", "Poisson", "StudentT", "Uniform", "Weibull",
+    "ContinuousBernoulli", "FisherSnedecor", "InverseGamma", "Kumaraswamy", "LKJCholesky",
+    "LogitRelaxedBernoulli", "LowRankMultivariateNormal", "MixtureSameFamily", "Multinomial",
+    "NegativeBinomial", "OneHotCategorical", "RelaxedBernoulli", "RelaxedOneHotCategorical", "VonMises",
+    "Wishart",
 ]
