@@ -34,8 +34,12 @@ _MESHES: dict[str, DeviceMesh] = {}
 
 
 def _mesh_key(mesh: DeviceMesh) -> str:
-    key = f"{mesh.to_tf().to_string()}#{mesh.root_dims}#{mesh.mesh_dim_names is not None}"
-    _MESHES.setdefault(key, mesh)
+    # computed once per mesh object: every op wraps its result with it
+    key = mesh.__dict__.get("_tfdist_key")
+    if key is None:
+        key = f"{mesh.to_tf().to_string()}#{mesh.root_dims}#{mesh.mesh_dim_names is not None}"
+        _MESHES.setdefault(key, mesh)
+        mesh._tfdist_key = key
     return key
 
 
