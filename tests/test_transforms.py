@@ -92,6 +92,7 @@ def test_transformed_distribution_against_scipy():
 @pytest.mark.parametrize("constraint", [
     constraints.real, constraints.positive, constraints.greater_than(2.0), constraints.unit_interval,
     constraints.interval(-1.0, 3.0), constraints.less_than(1.0), constraints.simplex,
+    constraints.stack([constraints.positive, constraints.unit_interval, constraints.real], dim=1),
 ], ids=repr)
 def test_biject_to_lands_in_the_constraint(constraint):
     x = tf.constant(np.random.default_rng(0).standard_normal((5, 3)) * 3)
@@ -103,3 +104,44 @@ def test_biject_to_lands_in_the_constraint(constraint):
             np.testing.assert_allclose(t.inv(y).numpy(), x.numpy(), rtol=1e-5, atol=1e-6)
     with pytest.raises(NotImplementedError, match="Cannot transform"):
         D.biject_to(constraints.positive_definite)
+    corr = D.biject_to(constraints.corr_cholesky)(tf.constant(np.ones((2, 3))))
+    assert bool(tf.reduce_all(constraints.corr_cholesky.check(corr)))
+
+
+def test_corr_cholesky_transform():
+    t = T.CorrCholeskyTransform()
+    x = tf.constant([[0.3, -1.0, 0.7]], tf.float64)  # D = 3
+    y = t(x)
+    assert tuple(y.shape) == (1, 3, 3)
+    corr = (y @ tf.linalg.matrix_transpose(y)).numpy()
+    np.testing.assert_allclose(np.diagonal(corr, axis1=-2, axis2=-1), 1.0, rtol=1e-12)
+    assert bool(tf.reduce_all(constraints.corr_cholesky.check(y)))
+    np.testing.assert_allclose(t.inv(y).numpy(), x.numpy(), rtol=1e-8)
+    # log|det J| of x -> the strictly lower entries, by finite differences
+    h, idx = 1e-6, [(1, 0), (2, 0), (2, 1)]
+
+    def lower(v):
+        m = t(tf.constant(v)).numpy()[0]
+        return np.array([m[i, j] for i, j in idx])
+
+    jac = np.stack([(lower(x.numpy() + h * np.eye(3)[k]) - lower(x.numpy() - h * np.eye(3)[k])) / (2 * h)
+                    for k in range(3)], axis=1)
+    np.testing.assert_allclose(t.log_abs_det_jacobian(x, y).numpy()[0], np.log(abs(np.linalg.det(jac))), rtol=1e-5)
+
+
+def test_cat_stack_and_positive_definite():
+    x = tf.constant([[-1.0, 0.5, 2.0, 0.1]], tf.float64)
+    cat = T.CatTransform([T.ExpTransform(), T.AffineTransform(1.0, 2.0)], dim=1, lengths=[2, 2])
+    y = cat(x)
+    np.testing.assert_allclose(y.numpy(), [[np.exp(-1.0), np.exp(0.5), 5.0, 1.2]], rtol=1e-12)
+    np.testing.assert_allclose(cat.inv(y).numpy(), x.numpy(), rtol=1e-12)
+    np.testing.assert_allclose(cat.log_abs_det_jacobian(x, y).numpy(), [[-1.0, 0.5, np.log(2), np.log(2)]], rtol=1e-12)
+    stack = T.StackTransform([T.ExpTransform(), T.SigmoidTransform()], dim=1)
+    z = tf.constant([[0.5, -0.5]], tf.float64)
+    np.testing.assert_allclose(stack(z).numpy(), [[np.exp(0.5), 1 / (1 + np.exp(0.5))]], rtol=1e-12)
+    assert bool(tf.reduce_all(stack.codomain.check(stack(z))))
+    pd = T.PositiveDefiniteTransform()(tf.constant(np.random.default_rng(0).standard_normal((2, 3, 3))))
+    assert bool(tf.reduce_all(constraints.positive_definite.check(pd)))
+    assert bool(tf.reduce_all(constraints.symmetric.check(pd))) and bool(tf.reduce_all(constraints.square.check(pd)))
+    assert bool(constraints.one_hot.check(tf.constant([0.0, 1.0, 0.0])))
+    assert not bool(constraints.multinomial(3).check(tf.constant([2.0, 2.0])))

@@ -49,3 +49,11 @@ for registry in (biject_to, transform_to):
 biject_to.register(type(constraints.simplex), lambda c: T.StickBreakingTransform())
 transform_to.register(type(constraints.simplex), lambda c: T.SoftmaxTransform())
 transform_to.register(type(constraints.lower_cholesky), lambda c: T.LowerCholeskyTransform())
+
+for registry in (biject_to, transform_to):
+    registry.register(type(constraints.corr_cholesky), lambda c: T.CorrCholeskyTransform())
+    registry.register(constraints.cat, lambda c, reg=registry: T.CatTransform(
+        [reg(sub) for sub in c.cseq], c.dim, c.lengths))
+    registry.register(constraints.stack, lambda c, reg=registry: T.StackTransform(
+        [reg(sub) for sub in c.cseq], c.dim))
+transform_to.register(type(constraints.positive_definite), lambda c: T.PositiveDefiniteTransform())

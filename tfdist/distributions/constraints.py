@@ -179,3 +179,89 @@ greater_than_eq = _GreaterThanEq
 less_than = _LessThan
 integer_interval = _IntegerInterval
 independent = _Independent
+
+
+class _Square(Constraint):
+    event_dim = 2
+
+    def check(self, value):
+        n, m = value.shape[-2], value.shape[-1]
+        return tf.fill(tf.shape(value)[:-2], n == m)
+
+
+class _Symmetric(_Square):
+    def check(self, value):
+        if value.shape[-2] != value.shape[-1]:
+            return super().check(value)
+        return tf.reduce_all(tf.abs(value - tf.linalg.matrix_transpose(value)) < 1e-6, axis=[-2, -1])
+
+
+class _CorrCholesky(Constraint):
+    """Lower Cholesky factors of correlation matrices (rows of unit norm)."""
+
+    event_dim = 2
+
+    def check(self, value):
+        unit_rows = tf.reduce_all(tf.abs(tf.norm(value, axis=-1) - 1) < 1e-4, axis=-1)
+        return tf.logical_and(lower_cholesky.check(value), unit_rows)
+
+
+class _OneHot(Constraint):
+    is_discrete = True
+    event_dim = 1
+
+    def check(self, value):
+        is_boolean = tf.reduce_all(tf.logical_or(tf.equal(value, 0), tf.equal(value, 1)), axis=-1)
+        return tf.logical_and(is_boolean, tf.equal(tf.reduce_sum(value, -1), 1))
+
+
+class _Multinomial(Constraint):
+    is_discrete = True
+    event_dim = 1
+
+    def __init__(self, upper_bound):
+        self.upper_bound = upper_bound
+
+    def check(self, value):
+        return tf.logical_and(tf.reduce_all(value >= 0, axis=-1), tf.reduce_sum(value, -1) <= self.upper_bound)
+
+
+class _Cat(Constraint):
+    """Applies constraints to consecutive slices of ``dim``."""
+
+    def __init__(self, cseq, dim=0, lengths=None):
+        self.cseq, self.dim = list(cseq), dim
+        self.lengths = list(lengths) if lengths is not None else [1] * len(self.cseq)
+
+    @property
+    def event_dim(self):
+        return max(c.event_dim for c in self.cseq)
+
+    def check(self, value):
+        parts = tf.split(value, self.lengths, axis=self.dim)
+        return tf.concat([c.check(p) for c, p in zip(self.cseq, parts)], axis=self.dim)
+
+
+class _Stack(Constraint):
+    """Applies constraints to the slices of ``dim``."""
+
+    def __init__(self, cseq, dim=0):
+        self.cseq, self.dim = list(cseq), dim
+
+    @property
+    def event_dim(self):
+        return max(c.event_dim for c in self.cseq)
+
+    def check(self, value):
+        parts = tf.unstack(value, axis=self.dim)
+        return tf.stack([c.check(p) for c, p in zip(self.cseq, parts)], axis=self.dim)
+
+
+square = _Square()
+symmetric = _Symmetric()
+corr_cholesky = _CorrCholesky()
+one_hot = _OneHot()
+multinomial = _Multinomial
+cat = _Cat
+stack = _Stack
+__all__ += ["square", "symmetric", "corr_cholesky", "one_hot", "multinomial", "cat", "stack"]

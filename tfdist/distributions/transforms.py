@@ -511,3 +511,151 @@ class CumulativeDistributionTransform(Transform):
 
     def log_abs_det_jacobian(self, x, y):
         return self.distribution.log_prob(x)
+
+
+class CorrCholeskyTransform(Transform):
+    """R^{D(D-1)/2} -> Cholesky factors of D x D correlation matrices (bijective).
+
+    Each unconstrained value goes through tanh to a partial correlation in
+    (-1, 1); row i of the factor is built by stick breaking on the unit sphere.
+    """
+
+    bijective = True
+    domain = constraints.real_vector
+    codomain = constraints.corr_cholesky
+
+    @staticmethod
+    def _dim(n: int) -> int:
+        d = int(round((0.25 + 2 * n) ** 0.5 + 0.5))
+        if d * (d - 1) // 2 != n:
+            raise ValueError(f"the input's last dim ({n}) must be D*(D-1)/2 for some D")
+        return d
+
+    def _call(self, x):
+        z = tf.tanh(x)
+        d = self._dim(x.shape[-1])
+        rows = [tf.concat([tf.ones_like(z[..., :1])] + [tf.zeros_like(z[..., :1])] * (d - 1), -1)]
+        k = 0
+        for i in range(1, d):
+            zi = z[..., k:k + i]
+            k += i
+            # x_ij = z_ij * sqrt(1 - sum_{l<j} x_il^2), last entry closes the unit norm
+            entries, remaining = [], tf.ones_like(zi[..., 0])
+            for j in range(i):
+                entries.append(zi[..., j] * tf.sqrt(remaining))
+                remaining = remaining - entries[-1] ** 2
+            entries.append(tf.sqrt(tf.maximum(remaining, 0.0)))
+            entries += [tf.zeros_like(zi[..., 0])] * (d - i - 1)
+            rows.append(tf.stack(entries, -1))
+        return tf.stack(rows, -2)
+
+    def _inverse(self, y):
+        d = y.shape[-1]
+        out = []
+        for i in range(1, d):
+            remaining = tf.ones_like(y[..., i, 0])
+            for j in range(i):
+                out.append(y[..., i, j] / tf.sqrt(remaining))
+                remaining = remaining - y[..., i, j] ** 2
+        z = tf.stack(out, -1)
+        return tf.atanh(tf.clip_by_value(z, -1 + 1e-7, 1 - 1e-7) if z.dtype == tf.float32 else z)
+
+    def log_abs_det_jacobian(self, x, y):
+        # tanh part: sum log(1 - z^2); stick breaking part: sum_{i,j} 0.5 * log(remaining_ij)
+        z = tf.tanh(x)
+        total = tf.reduce_sum(tf.math.log1p(-z ** 2), -1)
+        d = y.shape[-1]
+        for i in range(1, d):
+            remaining = tf.ones_like(y[..., i, 0])
+            for j in range(i):
+                total = total + 0.5 * tf.math.log(remaining)
+                remaining = remaining - y[..., i, j] ** 2
+        return total
+
+    def forward_shape(self, shape):
+        return tuple(shape[:-1]) + (self._dim(shape[-1]),) * 2
+
+    def inverse_shape(self, shape):
+        return tuple(shape[:-2]) + (shape[-1] * (shape[-1] - 1) // 2,)
+
+
+class PositiveDefiniteTransform(Transform):
+    """Unconstrained matrix -> positive definite matrix (L L^T of its lower Cholesky image)."""
+
+    domain = constraints.independent(constraints.real, 2)
+    codomain = constraints.positive_definite
+
+    def _call(self, x):
+        chol = LowerCholeskyTransform()(x)
+        return tf.matmul(chol, chol, transpose_b=True)
+
+    def _inverse(self, y):
+        return LowerCholeskyTransform().inv(tf.linalg.cholesky(y))
+
+
+class CatTransform(Transform):
+    """Applies ``tseq[i]`` to the ``i``-th slice (of ``lengths[i]``) along ``dim``."""
+
+    def __init__(self, tseq, dim: int = 0, lengths=None, cache_size: int = 0) -> None:
+        super().__init__(cache_size=cache_size)
+        self.transforms, self.dim = list(tseq), dim
+        self.lengths = list(lengths) if lengths is not None else [1] * len(self.transforms)
+
+    @property
+    def bijective(self):
+        return all(t.bijective for t in self.transforms)
+
+    @property
+    def domain(self):
+        return constraints.cat([t.domain for t in self.transforms], self.dim, self.lengths)
+
+    @property
+    def codomain(self):
+        return constraints.cat([t.codomain for t in self.transforms], self.dim, self.lengths)
+
+    def _split(self, x):
+        return tf.split(x, self.lengths, axis=self.dim)
+
+    def _call(self, x):
+        return tf.concat([t(p) for t, p in zip(self.transforms, self._split(x))], axis=self.dim)
+
+    def _inverse(self, y):
+        return tf.concat([t.inv(p) for t, p in zip(self.transforms, self._split(y))], axis=self.dim)
+
+    def log_abs_det_jacobian(self, x, y):
+        parts = [t.log_abs_det_jacobian(a, b) for t, a, b in zip(self.transforms, self._split(x), self._split(y))]
+        return tf.concat(parts, axis=self.dim)
+
+
+class StackTransform(Transform):
+    """Applies ``tseq[i]`` to slice ``i`` of ``dim``."""
+
+    def __init__(self, tseq, dim: int = 0, cache_size: int = 0) -> None:
+        super().__init__(cache_size=cache_size)
+        self.transforms, self.dim = list(tseq), dim
+
+    @property
+    def bijective(self):
+        return all(t.bijective for t in self.transforms)
+
+    @property
+    def domain(self):
+        return constraints.stack([t.domain for t in self.transforms], self.dim)
+
+    @property
+    def codomain(self):
+        return constraints.stack([t.codomain for t in self.transforms], self.dim)
+
+    def _call(self, x):
+        return tf.stack([t(p) for t, p in zip(self.transforms, tf.unstack(x, axis=self.dim))], axis=self.dim)
+
+    def _inverse(self, y):
+        return tf.stack([t.inv(p) for t, p in zip(self.transforms, tf.unstack(y, axis=self.dim))], axis=self.dim)
+
+    def log_abs_det_jacobian(self, x, y):
+        parts = [t.log_abs_det_jacobian(a, b) for t, a, b in
+                 zip(self.transforms, tf.unstack(x, axis=self.dim), tf.unstack(y, axis=self.dim))]
+        return tf.stack(parts, axis=self.dim)
+
+
+__all__ += ["CorrCholeskyTransform", "PositiveDefiniteTransform", "CatTransform", "StackTransform"]
