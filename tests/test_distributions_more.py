@@ -10,6 +10,12 @@ from scipy.special import logsumexp
 
 from tfdist import distributions as D
 
+
+@pytest.fixture(autouse=True)
+def _seeded():
+    """Sampling tests draw from TF's RNG: a fixed seed per test keeps them deterministic."""
+    tf.random.set_seed(1234)
+
 F64 = tf.float64
 
 

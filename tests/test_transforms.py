@@ -8,6 +8,12 @@ import scipy.stats as st
 import tensorflow as tf
 
 from tfdist import distributions as D
+
+
+@pytest.fixture(autouse=True)
+def _seeded():
+    """Sampling tests draw from TF's RNG: a fixed seed per test keeps them deterministic."""
+    tf.random.set_seed(1234)
 from tfdist.distributions import constraints
 from tfdist.distributions import transforms as T
 

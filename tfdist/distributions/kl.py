@@ -244,3 +244,186 @@ for _p, _q in (
     (d.Gumbel, d.Pareto),
 ):
     register_kl(_p, _q)(_support_mismatch)
+
+
+# -- cross-family pairs: KL(p || q) = -H(p) - E_p[log q(x)] ------------------------
+# E_p[log q] is written once per target family q from a few properties of p:
+# its support bounds, mean, variance, E[log x], E[log(1 - x)] and moment
+# generating function.  Where p puts mass outside q's support, KL is inf.
+
+
+def _bounds(p):
+    """(low, high) of p's support, broadcast to its batch shape."""
+    mean = tf.convert_to_tensor(p.mean)
+    inf = tf.fill(tf.shape(mean), tf.constant(_INF, mean.dtype))
+    zero, one = tf.zeros_like(mean), tf.ones_like(mean)
+    if isinstance(p, (d.Beta, m.ContinuousBernoulli)):
+        return zero, one
+    if isinstance(p, (d.Exponential, d.Gamma)):
+        return zero, inf
+    if isinstance(p, d.Pareto):
+        return p.scale + zero, inf
+    if isinstance(p, d.Uniform):
+        return p.low, p.high
+    return -inf, inf  # Normal, Laplace, Gumbel
+
+
+def _elog(p):
+    """E_p[log x] (p on positive reals)."""
+    if isinstance(p, d.Beta):
+        return tf.math.digamma(p.concentration1) - tf.math.digamma(p.concentration1 + p.concentration0)
+    if isinstance(p, d.Exponential):
+        return -_EULER - tf.math.log(p.rate)
+    if isinstance(p, d.Gamma):
+        return tf.math.digamma(p.concentration) - tf.math.log(p.rate)
+    if isinstance(p, d.Pareto):
+        return tf.math.log(p.scale) + 1 / p.alpha
+    if isinstance(p, d.Uniform):
+        return _uniform_elog(p.low, p.high)
+    raise NotImplementedError(f"E[log x] of {type(p).__name__}")
+
+
+def _uniform_elog(a, b):
+    def xlogx(v):
+        return tf.where(v > 0, v * tf.math.log(tf.maximum(v, 1e-30)), tf.zeros_like(v))
+
+    return (xlogx(b) - xlogx(a)) / (b - a) - 1
+
+
+def _elog1m(p):
+    """E_p[log(1 - x)] (p on the unit interval)."""
+    if isinstance(p, d.Beta):
+        return tf.math.digamma(p.concentration0) - tf.math.digamma(p.concentration1 + p.concentration0)
+    if isinstance(p, d.Uniform):
+        return _uniform_elog(1 - p.high, 1 - p.low)
+    raise NotImplementedError(f"E[log(1 - x)] of {type(p).__name__}")
+
+
+def _mgf(p, t):
+    """E_p[exp(t x)]."""
+    if isinstance(p, d.Normal):
+        return tf.exp(p.loc * t + 0.5 * (p.scale * t) ** 2)
+    if isinstance(p, d.Exponential):
+        return tf.where(t < p.rate, p.rate / (p.rate - t), tf.constant(_INF, p.rate.dtype))
+    if isinstance(p, d.Gamma):
+        return tf.where(t < p.rate, (1 - t / p.rate) ** -p.concentration, tf.constant(_INF, p.rate.dtype))
+    if isinstance(p, d.Uniform):
+        return (tf.exp(t * p.high) - tf.exp(t * p.low)) / (t * (p.high - p.low))
+    raise NotImplementedError(f"the moment generating function of {type(p).__name__}")
+
+
+def _cb_log_norm(q):
+    """log C(lambda) of a ContinuousBernoulli: its log density at 1/2 minus the linear part."""
+    half = tf.fill(tf.shape(q.probs), tf.constant(0.5, q.probs.dtype))
+    return q._tfp().log_prob(half) - 0.5 * (tf.math.log(q.probs) + tf.math.log1p(-q.probs))
+
+
+def _xent_normal(p, q):
+    second = p.variance + (p.mean - q.loc) ** 2
+    return -tf.math.log(q.scale) - 0.5 * _math.log(2 * _math.pi) - second / (2 * q.scale ** 2), None
+
+
+def _xent_exponential(p, q):
+    lo, _ = _bounds(p)
+    return tf.math.log(q.rate) - q.rate * p.mean, lo < 0
+
+
+def _xent_gamma(p, q):
+    lo, _ = _bounds(p)
+    k, r = q.concentration, q.rate
+    return k * tf.math.log(r) - tf.math.lgamma(k) + (k - 1) * _elog(p) - r * p.mean, lo < 0
+
+
+def _xent_gumbel(p, q):
+    # log q = -log b - z - exp(-z), z = (x - mu) / b
+    e_exp = tf.exp(q.loc / q.scale) * _mgf(p, -1 / q.scale)
+    return -tf.math.log(q.scale) - (p.mean - q.loc) / q.scale - e_exp, None
+
+
+def _xent_laplace(p, q):
+    # p Normal: E|x - mu_q| is the mean of a folded normal
+    delta, s = p.loc - q.loc, p.scale
+    e_abs = (s * _math.sqrt(2 / _math.pi) * tf.exp(-delta ** 2 / (2 * s ** 2))
+             + delta * (1 - 2 * d.Normal(0.0, 1.0)._tfp().cdf(-delta / s)))
+    return -tf.math.log(2 * q.scale) - e_abs / q.scale, None
+
+
+def _xent_uniform(p, q):
+    lo, hi = _bounds(p)
+    return -tf.math.log(q.high - q.low) + tf.zeros_like(lo), tf.logical_or(lo < q.low, hi > q.high)
+
+
+def _xent_pareto(p, q):
+    lo, _ = _bounds(p)
+    return (tf.math.log(q.alpha) + q.alpha * tf.math.log(q.scale) - (q.alpha + 1) * _elog(p)), lo < q.scale
+
+
+def _xent_beta(p, q):
+    lo, hi = _bounds(p)
+    a, b = q.concentration1, q.concentration0
+    lbeta = tf.math.lgamma(a) + tf.math.lgamma(b) - tf.math.lgamma(a + b)
+    outside = tf.logical_or(lo < 0, hi > 1)
+    return (a - 1) * _elog(p) + (b - 1) * _elog1m(p) - lbeta, outside
+
+
+def _xent_cb(p, q):
+    lo, hi = _bounds(p)
+    value = _cb_log_norm(q) + p.mean * tf.math.log(q.probs) + (1 - p.mean) * tf.math.log1p(-q.probs)
+    return value, tf.logical_or(lo < 0, hi > 1)
+
+
+_XENT = {
+    d.Normal: _xent_normal, d.Exponential: _xent_exponential, d.Gamma: _xent_gamma, d.Gumbel: _xent_gumbel,
+    d.Laplace: _xent_laplace, d.Uniform: _xent_uniform, d.Pareto: _xent_pareto, d.Beta: _xent_beta,
+    m.ContinuousBernoulli: _xent_cb,
+}
+
+
+def _kl_by_cross_entropy(p, q):
+    lo, hi = _bounds(p)
+    # a target with bounded support cannot cover p's unbounded tail (no moment needed)
+    unbounded = tf.logical_or(tf.math.is_inf(lo), tf.math.is_inf(hi))
+    if type(q) in (d.Uniform, d.Beta, m.ContinuousBernoulli) and bool(tf.reduce_all(unbounded)):
+        return _inf_like(lo)
+    if type(q) is d.Pareto and bool(tf.reduce_all(lo < q.scale)):
+        return _inf_like(lo)
+    xent, outside = _XENT[type(q)](p, q)
+    kl = -p.entropy() - xent
+    if outside is not None:
+        kl = tf.where(outside, _inf_like(kl), kl)
+    return kl
+
+
+for _p, _q in (
+    (d.Beta, m.ContinuousBernoulli), (d.Beta, d.Exponential), (d.Beta, d.Gamma), (d.Beta, d.Normal),
+    (d.Beta, d.Pareto), (d.Beta, d.Uniform), (m.ContinuousBernoulli, m.ContinuousBernoulli),
+    (m.ContinuousBernoulli, d.Exponential), (m.ContinuousBernoulli, d.Normal), (m.ContinuousBernoulli, d.Pareto),
+    (m.ContinuousBernoulli, d.Uniform), (d.Exponential, m.ContinuousBernoulli), (d.Exponential, d.Gumbel),
+    (d.Gamma, m.ContinuousBernoulli), (d.Gamma, d.Exponential), (d.Gamma, d.Gumbel), (d.Gamma, d.Normal),
+    (d.Gumbel, m.ContinuousBernoulli), (d.Gumbel, d.Normal), (d.Laplace, m.ContinuousBernoulli),
+    (d.Laplace, d.Normal), (d.Normal, m.ContinuousBernoulli), (d.Normal, d.Gumbel), (d.Normal, d.Laplace),
+    (d.Pareto, d.Beta), (d.Pareto, m.ContinuousBernoulli), (d.Pareto, d.Exponential), (d.Pareto, d.Gamma),
+    (d.Pareto, d.Normal), (d.Pareto, d.Uniform), (d.Uniform, d.Beta), (d.Uniform, m.ContinuousBernoulli),
+    (d.Uniform, d.Gumbel), (d.Uniform, d.Pareto),
+):
+    register_kl(_p, _q)(_kl_by_cross_entropy)
+
+
+@register_kl(d.Bernoulli, d.Poisson)
+def _kl_bernoulli_poisson(p, q):
+    # E_p[log q(k)] = p log r - r  (k in {0, 1}; log k! = 0)
+    return -p.entropy() - (p.probs * tf.math.log(q.rate) - q.rate)
+
+
+@register_kl(d.Poisson, d.Bernoulli)
+@register_kl(d.Poisson, d.Binomial)
+def _kl_poisson_bounded(p, q):
+    return _inf_like(p.rate)  # Poisson's unbounded support is not covered
+
+
+@register_kl(d.ExponentialFamily, d.ExponentialFamily)
+def _kl_expfamily_expfamily(p, q):
+    if type(p) is not type(q):
+        raise NotImplementedError("The cross KL-divergence between different exponential families cannot "
+                                  "be computed using Bregman divergences")
+    return d.tfd().kl_divergence(p._tfp(), q._tfp())
