@@ -146,3 +146,45 @@ def test_wishart_and_lkj():
     np.testing.assert_allclose(float(D.LKJCholesky(2, 1.0).log_prob(l2)), np.log(0.5), rtol=1e-4)
     with pytest.raises(ValueError, match="greater than or equal to 2"):
         D.LKJCholesky(1)
+
+
+EVERY = [
+    lambda: D.Normal(0.5, 2.0), lambda: D.LogNormal(0.2, 0.7), lambda: D.Laplace(0.5, 2.0),
+    lambda: D.Cauchy(0.5, 2.0), lambda: D.Gumbel(0.5, 2.0), lambda: D.HalfNormal(1.5),
+    lambda: D.HalfCauchy(1.5), lambda: D.Exponential(2.0), lambda: D.Gamma(2.5, 1.5), lambda: D.Chi2(3.0),
+    lambda: D.Beta(2.0, 3.0), lambda: D.Uniform(-1.0, 3.0), lambda: D.StudentT(5.0, 0.5, 2.0),
+    lambda: D.Pareto(2.0, 3.0), lambda: D.Weibull(2.0, 1.5), lambda: D.Bernoulli(probs=0.3),
+    lambda: D.Geometric(probs=0.3), lambda: D.Poisson(2.5), lambda: D.Binomial(10.0, probs=0.3),
+    lambda: D.Categorical(probs=[0.2, 0.3, 0.5]), lambda: D.Dirichlet([1.5, 2.0, 3.0]),
+    lambda: D.MultivariateNormal(np.zeros(2, np.float32), covariance_matrix=np.eye(2, dtype=np.float32)),
+    lambda: D.Independent(D.Normal(tf.zeros(3), tf.ones(3)), 1), lambda: D.InverseGamma(3.0, 2.0),
+    lambda: D.Kumaraswamy(2.0, 3.0), lambda: D.VonMises(0.4, 2.0), lambda: D.FisherSnedecor(5.0, 7.0),
+    lambda: D.NegativeBinomial(5.0, probs=0.3), lambda: D.OneHotCategorical(probs=[0.2, 0.3, 0.5]),
+    lambda: D.Multinomial(4, probs=[0.2, 0.3, 0.5]),
+    lambda: D.LowRankMultivariateNormal(np.zeros(2, np.float32), np.ones((2, 1), np.float32), np.ones(2, np.float32)),
+    lambda: D.ContinuousBernoulli(probs=0.3), lambda: D.RelaxedBernoulli(0.5, probs=0.3),
+    lambda: D.LogitRelaxedBernoulli(0.5, probs=0.3), lambda: D.RelaxedOneHotCategorical(0.5, probs=[0.2, 0.3, 0.5]),
+    lambda: D.MixtureSameFamily(D.Categorical(probs=[0.3, 0.7]), D.Normal([-1.0, 2.0], [0.5, 1.5])),
+    lambda: D.Wishart(4.0, covariance_matrix=np.eye(2, dtype=np.float32)), lambda: D.LKJCholesky(3, 2.0),
+    lambda: D.TransformedDistribution(D.Normal(0.0, 1.0), [D.transforms.ExpTransform()]),
+]
+
+
+@pytest.mark.parametrize("make", EVERY, ids=lambda f: type(f()).__name__)
+def test_expand_sample_and_log_prob_of_every_distribution(make):
+    dist = make()
+    wide = dist.expand((2, 3))
+    assert tuple(wide.batch_shape) == (2, 3)
+    assert wide.event_shape == dist.event_shape
+    x = dist.sample((4,))
+    assert tuple(x.shape) == (4,) + tuple(dist.batch_shape) + tuple(dist.event_shape)
+    lp = dist.log_prob(x)
+    assert tuple(lp.shape) == (4,) + tuple(dist.batch_shape)
+    assert bool(tf.reduce_all(tf.math.is_finite(lp)))
+    wide_lp = wide.log_prob(tf.reshape(x, [4, 1, 1] + x.shape.as_list()[1:]))
+    np.testing.assert_allclose(wide_lp.numpy(), np.broadcast_to(lp.numpy().reshape([4, 1, 1]), (4, 2, 3)), rtol=1e-5)
+
+
+def test_binomial_enumerate_support():
+    support = D.Binomial(3.0, probs=[0.2, 0.5]).enumerate_support()
+    assert support.numpy()[:, 0].tolist() == [0.0, 1.0, 2.0, 3.0] and tuple(support.shape) == (4, 2)

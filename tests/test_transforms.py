@@ -151,3 +151,11 @@ def test_cat_stack_and_positive_definite():
     assert bool(tf.reduce_all(constraints.symmetric.check(pd))) and bool(tf.reduce_all(constraints.square.check(pd)))
     assert bool(constraints.one_hot.check(tf.constant([0.0, 1.0, 0.0])))
     assert not bool(constraints.multinomial(3).check(tf.constant([2.0, 2.0])))
+
+
+def test_dependent_property_supports():
+    assert constraints.is_dependent(D.Uniform.support)
+    support = D.Uniform(-1.0, 2.0).support
+    assert not constraints.is_dependent(support) and support.lower_bound.numpy() == -1.0
+    assert bool(D.Pareto(2.0, 3.0).support.check(tf.constant(2.5)))
+    assert not bool(D.Pareto(2.0, 3.0).support.check(tf.constant(1.5)))

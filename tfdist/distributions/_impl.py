@@ -42,10 +42,59 @@ class _TFPBacked(Distribution):
     def rsample(self, sample_shape=()):
         if not self.has_rsample:
             raise NotImplementedError
+        layout = self._dtensor_layout()
+        if layout is not None:
+            return self._sample_sharded(sample_shape, layout)
         return self._tfp().sample(as_shape(sample_shape))
 
     def _sample(self, sample_shape):
+        layout = self._dtensor_layout()
+        if layout is not None:
+            return tf.stop_gradient(self._sample_sharded(sample_shape, layout))
         return tf.stop_gradient(self._tfp().sample(as_shape(sample_shape)))
+
+    # -- DTensor parameters ---------------------------------------------------------
+    def _dtensor_layout(self):
+        """The layout of a parameter that is a TF DTensor (eager), else None."""
+        if not tf.executing_eagerly():
+            return None
+        from tensorflow.experimental import dtensor
+
+        for name in self._params:
+            value = getattr(self, name)
+            if isinstance(value, tf.Tensor) and dtensor.is_dtensor(value):
+                return dtensor.fetch_layout(value)
+        return None
+
+    def _sample_sharded(self, sample_shape, layout):
+        """Samples that stay sharded like the parameters: icdf of per-shard uniforms.
+
+        TF DTensor has no layout rule for random ops, so tfdist draws the
+        uniforms with its sharding-invariant per-shard generator
+        (tfdist.tensor._random) and maps them through the inverse CDF.
+        """
+        from tfdist.device_mesh import DeviceMesh
+        from tfdist.tensor import _random
+        from tfdist.tensor._layout import DTensorSpec, placements_from_tf_layout
+        from tfdist.tensor._factory import _random_seed
+        from tfdist.tensor.placement_types import Shard
+
+        sample_shape = as_shape(sample_shape)
+        shape = sample_shape.concatenate(self.batch_shape).concatenate(self.event_shape)
+        lead = len(sample_shape) + len(self.batch_shape) - len(layout.sharding_specs)
+        placements = tuple(
+            Shard(p.dim + lead) if isinstance(p, Shard) else p for p in placements_from_tf_layout(layout)
+        )
+        spec = DTensorSpec(DeviceMesh.from_tf(layout.mesh), placements, tuple(shape.as_list()))
+        bits = _random.uniform_bits(spec, _random_seed())
+        u = _random._unit(bits, self._dtype, open_low=True)
+        try:
+            return self.icdf(u)
+        except NotImplementedError as err:
+            raise NotImplementedError(
+                f"sampling {type(self).__name__} with DTensor parameters needs its icdf, which TFP "
+                "does not provide; TF DTensor has no layout rule for random ops."
+            ) from err
 
     def log_prob(self, value):
         self._validate_sample(value)
@@ -78,6 +127,7 @@ class _TFPBacked(Distribution):
         return getattr(self, self._params[0]).dtype
 
     def expand(self, batch_shape, _instance=None):
+        """The same distribution with its parameters broadcast to ``batch_shape``."""
         batch_shape = as_shape(batch_shape)
         kwargs = {}
         for name in self._params:
@@ -142,14 +192,7 @@ Weibull = _positive_pair("Weibull", "Weibull", "scale", "concentration", constra
                          lambda s, k: {"concentration": k, "scale": s})
 
 
-class _Support:
-    """A support that depends on parameters (torch's dependent_property)."""
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def __get__(self, obj, owner):
-        return constraints.dependent if obj is None else self.fn(obj)
+_Support = constraints.dependent_property  # a support computed from the parameters
 
 
 Pareto.support = _Support(lambda self: constraints.greater_than_eq(self.scale))
@@ -159,8 +202,13 @@ class _OneParam(_TFPBacked):
     _param: str = ""
     _constraint = constraints.positive
 
-    def __init__(self, value, validate_args=None):
-        (v,) = broadcast_all(value)
+    def __init__(self, *args, validate_args=None, **kwargs):
+        if len(args) + len(kwargs) != 1 or (kwargs and self._param not in kwargs):
+            raise TypeError(
+                f"{type(self).__name__} takes one parameter, {self._param!r}. Received: "
+                f"args={args!r}, kwargs={sorted(kwargs)!r}"
+            )
+        (v,) = broadcast_all(args[0] if args else kwargs[self._param])
         setattr(self, self._param, v)
         super().__init__(v.shape, (), validate_args)
 
@@ -258,6 +306,7 @@ class _ProbsLogits(_TFPBacked):
     def _dtype(self):
         return (self._probs_value if self._given == "probs" else self._logits_value).dtype
 
+
     def _extra_kwargs(self):
         return {}
 
@@ -331,10 +380,22 @@ class Binomial(_ProbsLogits):
             self._logits_value = param
         super().__init__(param.shape, (), validate_args)
 
+    @property
+    def _params(self):
+        return (self._given, "total_count")
+
     def _tfp(self):
         if self._given == "probs":
             return tfd().Binomial(total_count=self.total_count, probs=self._probs_value)
         return tfd().Binomial(total_count=self.total_count, logits=self._logits_value)
+
+    def enumerate_support(self, expand=True):
+        n = tf.reduce_max(self.total_count)
+        if not bool(tf.reduce_all(tf.equal(self.total_count, n))):
+            raise NotImplementedError("Inhomogeneous total count not supported by `enumerate_support`.")
+        values = tf.range(n + 1, dtype=self._dtype)
+        values = tf.reshape(values, [-1] + [1] * len(self.batch_shape))
+        return tf.broadcast_to(values, [int(n) + 1] + self.batch_shape.as_list()) if expand else values
 
 
 class Categorical(_ProbsLogits):

@@ -78,6 +78,10 @@ class NegativeBinomial(_ProbsLogits):
         setattr(self, "_probs_value" if self._given == "probs" else "_logits_value", param)
         super().__init__(param.shape, (), validate_args)
 
+    @property
+    def _params(self):
+        return (self._given, "total_count")
+
     def _tfp(self):
         return tfd().NegativeBinomial(total_count=self.total_count, logits=self.logits)
 
@@ -125,6 +129,9 @@ class OneHotCategorical(Distribution):
     def variance(self):
         return self.probs * (1 - self.probs)
 
+    def expand(self, batch_shape, _instance=None):
+        return OneHotCategorical(logits=self._categorical.expand(batch_shape).logits)
+
     def enumerate_support(self, expand=True):
         k = self.event_shape[0]
         values = tf.reshape(tf.eye(k, dtype=self.probs.dtype), [k] + [1] * len(self.batch_shape) + [k])
@@ -160,6 +167,9 @@ class Multinomial(Distribution):
     def log_prob(self, value):
         self._validate_sample(value)
         return self._tfp().log_prob(tf.cast(value, self.probs.dtype))
+
+    def expand(self, batch_shape, _instance=None):
+        return Multinomial(self.total_count, logits=self._categorical.expand(batch_shape).logits)
 
     @property
     def mean(self):
@@ -218,6 +228,9 @@ class ContinuousBernoulli(_ProbsLogits):
         param = self._probs_value if self._given == "probs" else self._logits_value
         super().__init__(param.shape, (), validate_args)
 
+    def _extra_kwargs(self):
+        return {"lims": self._lims}
+
     def _tfp(self):
         # TFP has no ``lims``: it Taylor-expands near p = 0.5 on its own, the
         # same purpose as torch's lims window.
@@ -236,6 +249,9 @@ class _Relaxed(_ProbsLogits):
 
     def _shapes(self, param):
         return param.shape, ()
+
+    def _extra_kwargs(self):
+        return {"temperature": self.temperature}
 
 
 class RelaxedBernoulli(_Relaxed):
@@ -263,6 +279,7 @@ class RelaxedOneHotCategorical(_Relaxed):
 
     arg_constraints = {"probs": constraints.simplex, "logits": constraints.real_vector}
     support = constraints.simplex
+    _param_event_ndims = {"probs": 1, "logits": 1}
 
     def _shapes(self, param):
         return param.shape[:-1], param.shape[-1:]
@@ -302,6 +319,12 @@ class MixtureSameFamily(Distribution):
     def support(self):
         return self.component_distribution.support
 
+    def expand(self, batch_shape, _instance=None):
+        batch_shape = as_shape(batch_shape)
+        k = self.mixture_distribution._num_events
+        return MixtureSameFamily(self.mixture_distribution.expand(batch_shape),
+                                 self.component_distribution.expand(batch_shape.concatenate([k])))
+
     def log_prob(self, value):
         value = tf.convert_to_tensor(value)
         event = len(self.event_shape)
@@ -340,6 +363,7 @@ class Wishart(_TFPBacked):
     support = constraints.positive_definite
     has_rsample = True
     _params = ("df", "scale_tril")
+    _param_event_ndims = {"scale_tril": 2}
 
     def __init__(self, df, covariance_matrix=None, precision_matrix=None, scale_tril=None, validate_args=None):
         given = [m for m in (covariance_matrix, precision_matrix, scale_tril) if m is not None]

@@ -265,3 +265,36 @@ multinomial = _Multinomial
 cat = _Cat
 stack = _Stack
 __all__ += ["square", "symmetric", "corr_cholesky", "one_hot", "multinomial", "cat", "stack"]
+
+
+class _DependentProperty(property, _Dependent):
+    """A property whose value is a constraint computed from the instance (e.g. a support).
+
+    On the class it is a dependent constraint (``is_dependent`` is True); on an
+    instance it returns the computed constraint.
+
+    Example::
+
+        @constraints.dependent_property(is_discrete=False, event_dim=0)
+        def support(self):
+            return constraints.interval(self.low, self.high)
+    """
+
+    def __init__(self, fn=None, *, is_discrete=False, event_dim=0):
+        super().__init__(fn)
+        self._is_discrete, self._event_dim = is_discrete, event_dim
+
+    @property
+    def is_discrete(self):
+        return self._is_discrete
+
+    @property
+    def event_dim(self):
+        return self._event_dim
+
+    def __call__(self, fn):
+        return _DependentProperty(fn, is_discrete=self._is_discrete, event_dim=self._event_dim)
+
+
+dependent_property = _DependentProperty
+__all__ += ["dependent_property"]
