@@ -6,7 +6,7 @@ from tensorflow.experimental import dtensor
 
 import tfdist
 from tfdist import DeviceMesh, init_device_mesh
-from tfdist.tensor import Replicate, Shard, distribute_tensor
+from tfdist.tensor import Shard, distribute_tensor
 
 
 def test_shape_names_size(mesh_2d):

@@ -8,7 +8,7 @@ import tensorflow as tf
 
 from conftest import make_mesh
 from reference import assert_dtensor_equal
-from tfdist.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from tfdist.tensor import Partial, Replicate, Shard, distribute_tensor
 from tfdist.tensor.debug import CommDebugMode
 from tfdist.tensor.experimental import local_map, register_sharding
 

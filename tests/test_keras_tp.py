@@ -10,7 +10,7 @@ import tensorflow as tf
 import tfdist
 from keras_helpers import DenseAdam, max_weight_diff, no_global_distribution  # noqa: F401
 from tfdist.keras._data import gather_to_numpy, shard_batch
-from tfdist.models import GPT, MLP, gpt_tp_plan, mlp_tp_plan, parallelize_gpt
+from tfdist.models import GPT, MLP, mlp_tp_plan, parallelize_gpt
 from tfdist.tensor import Replicate, Shard
 from tfdist.tensor.debug import CommDebugMode
 from tfdist.tensor.parallel import (

@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 import keras
-from keras import ops
 
 from tfdist.device_mesh import DeviceMesh
 from tfdist.tensor.parallel import (

@@ -8,7 +8,6 @@ argument constraints and validation.
 from __future__ import annotations
 
 import functools
-import math
 
 import tensorflow as tf
 

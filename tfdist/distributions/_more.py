@@ -8,7 +8,7 @@ import tensorflow as tf
 
 from tfdist.distributions import constraints
 from tfdist.distributions._impl import (
-    _ProbsLogits, _Support, _TFPBacked, _two, _positive_pair, Categorical, Distribution, tfd,
+    _ProbsLogits, _TFPBacked, _two, _positive_pair, Categorical, Distribution, tfd,
 )
 from tfdist.distributions.distribution import as_shape, broadcast_all
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import keras
 from keras.src.distribution.distribution_lib import LayoutMap as KerasLayoutMap
 from keras.src.distribution.distribution_lib import TensorLayout
 

@@ -28,7 +28,7 @@ from typing import Sequence
 from tensorflow.experimental import dtensor
 
 from tfdist.device_mesh import DeviceMesh
-from tfdist.tensor.placement_types import Partial, Placement, Replicate, Shard
+from tfdist.tensor.placement_types import Placement, Replicate, Shard
 
 __all__ = [
     "DTensorSpec",

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator, Sequence
 
-import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfdist.device_mesh import DeviceMesh

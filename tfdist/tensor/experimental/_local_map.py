@@ -23,7 +23,7 @@ from tensorflow.experimental import dtensor
 from tfdist.device_mesh import DeviceMesh
 from tfdist.tensor._api import DTensor
 from tfdist.tensor._layout import DTensorSpec, normalize_placements
-from tfdist.tensor.placement_types import Partial, Placement, Replicate, Shard
+from tfdist.tensor.placement_types import Placement, Replicate, Shard
 
 __all__ = ["local_map"]
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import tensorflow as tf
 from tensorflow.experimental import dtensor
