@@ -9,7 +9,7 @@ All four run the same model (GPT, SGD) on the same batch:
 - one device: the Keras 3 model without any distribution;
 - tf_keras (Keras 2) DTensor layout maps on the same model.  Its run is
   attempted and its failure, if any, recorded (see
-  shared/known-issues/tf_keras_dtensor_fit.py: embeddings cannot train).
+  docs/tf_dtensor_repros/tf_keras_dtensor_fit.py: embeddings cannot train).
 
 Run: python benchmarks/tp_transformer.py [--steps 20]
 """

@@ -12,7 +12,7 @@ class DenseAdam(keras.optimizers.Adam):
     """Plain Keras Adam fed dense gradients (textbook Adam).
 
     Keras 3's Adam on an IndexedSlices gradient with repeated rows differs
-    from textbook Adam (shared/known-issues/keras3_adam_duplicate_indexed_slices.py);
+    from textbook Adam (docs/tf_dtensor_repros/keras3_adam_duplicate_indexed_slices.py);
     tfdist gives dense gradients on DTensor, so the one-device reference must too.
     """
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from tfdist import tensor
 from tfdist._runtime import (
     barrier,
     destroy,
@@ -24,7 +25,6 @@ from tfdist._runtime import (
     virtual_cpus,
 )
 from tfdist.device_mesh import DeviceMesh, init_device_mesh
-from tfdist import tensor
 
 __all__ = [
     "__version__",

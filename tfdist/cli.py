@@ -10,6 +10,7 @@ __all__ = ["main"]
 
 
 def _info(args: argparse.Namespace) -> int:
+    # lazy imports in this module: `tfdist --help` and `tfdist run` must not load TensorFlow
     import tensorflow as tf
 
     import tfdist
@@ -41,6 +42,7 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    # lazy: TensorFlow loads only for the command that needs it
     import numpy as np
     import tensorflow as tf
 
@@ -95,6 +97,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _demo_gpt(mesh) -> None:
     """A GPT-style Keras model trained with model.fit, tensor parallel on tp, data parallel on dp."""
+    # lazy: Keras loads only when the Keras part of the demo runs
     import keras
     import numpy as np
     import tensorflow as tf
@@ -136,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``tfdist`` console command."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["run"]:  # the launcher parses its own arguments (script args pass through)
-        from tfdist.run import main as run_main
+        from tfdist.run import main as run_main  # lazy: the launcher never loads TensorFlow
 
         return run_main(argv[1:])
     parser = argparse.ArgumentParser(prog="tfdist", description=__doc__)

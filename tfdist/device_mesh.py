@@ -156,7 +156,8 @@ class DeviceMesh:
         self._named = named
         self._dims = tuple(range(len(tf_mesh.dim_names))) if dims is None else dims
         self._root = root
-        self._key = (tf_mesh.to_string(), self._dims)
+        # the one identity of a mesh: equality, hashing and DTensor metadata use it
+        self._key = f"{tf_mesh.to_string()}#{self._dims}#{named}"
         self._ids = _device_ids(tf_mesh) if root is None else root._ids
 
     @classmethod
@@ -325,6 +326,11 @@ class DeviceMesh:
 
     def __exit__(self, *exc: object) -> None:
         _mesh_stack().pop()
+
+    @property
+    def key(self) -> str:
+        """A string that identifies this mesh (devices, dim names, slice): equal meshes share it."""
+        return self._key
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, DeviceMesh) and self._key == other._key

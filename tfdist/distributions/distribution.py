@@ -8,21 +8,14 @@ event dims.  Methods a distribution does not define raise
 
 from __future__ import annotations
 
-from typing import Any, Sequence
-
 import tensorflow as tf
 
 from tfdist.distributions import constraints
+from tfdist.distributions.utils import as_shape
 
 __all__ = ["Distribution"]
 
 _VALIDATE_DEFAULT = True  # torch validates by default (when not under -O)
-
-
-def _shape(shape) -> tf.TensorShape:
-    if isinstance(shape, int):
-        shape = (shape,)
-    return tf.TensorShape(shape)
 
 
 class Distribution:
@@ -42,8 +35,8 @@ class Distribution:
         _VALIDATE_DEFAULT = value
 
     def __init__(self, batch_shape=(), event_shape=(), validate_args: bool | None = None) -> None:
-        self._batch_shape = _shape(batch_shape)
-        self._event_shape = _shape(event_shape)
+        self._batch_shape = as_shape(batch_shape)
+        self._event_shape = as_shape(event_shape)
         self._validate_args = _VALIDATE_DEFAULT if validate_args is None else validate_args
         if self._validate_args and tf.executing_eagerly():
             self._check_parameters()
@@ -73,7 +66,7 @@ class Distribution:
         return self._event_shape
 
     def _extended_shape(self, sample_shape=()) -> tf.TensorShape:
-        return _shape(sample_shape).concatenate(self._batch_shape).concatenate(self._event_shape)
+        return as_shape(sample_shape).concatenate(self._batch_shape).concatenate(self._event_shape)
 
     def expand(self, batch_shape, _instance=None):  # pragma: no cover - per class
         raise NotImplementedError
@@ -155,27 +148,3 @@ class Distribution:
             for k in self.arg_constraints if k in self.__dict__
         )
         return f"{type(self).__name__}({params})"
-
-
-def broadcast_all(*values: Any, dtype=None) -> list[tf.Tensor]:
-    """Converts and broadcasts parameters to one shape (torch's broadcast_all)."""
-    tensors = [v for v in values if isinstance(v, (tf.Tensor, tf.Variable))]
-    if dtype is None:
-        dtype = tensors[0].dtype if tensors else tf.float32
-        if not dtype.is_floating:
-            dtype = tf.float32
-    converted = [tf.convert_to_tensor(v, dtype=dtype) if not isinstance(v, tf.Tensor) or v.dtype != dtype
-                 else v for v in values]
-    converted = [tf.cast(v, dtype) for v in converted]
-    shape = tf.TensorShape(())
-    for v in converted:
-        shape = tf.broadcast_static_shape(shape, v.shape)
-    return [tf.broadcast_to(v, shape) for v in converted]
-
-
-def sum_rightmost(value: tf.Tensor, dims: int) -> tf.Tensor:
-    return tf.reduce_sum(value, axis=list(range(-dims, 0))) if dims else value
-
-
-def as_shape(shape: Sequence[int] | int) -> tf.TensorShape:
-    return _shape(shape)

@@ -14,8 +14,31 @@ from typing import Callable
 
 import tensorflow as tf
 
-from tfdist.distributions import _impl as d
+from tfdist.distributions._tfp_backed import tfd
+from tfdist.distributions.bernoulli import Bernoulli
+from tfdist.distributions.beta import Beta
+from tfdist.distributions.binomial import Binomial
+from tfdist.distributions.categorical import Categorical
+from tfdist.distributions.cauchy import Cauchy
+from tfdist.distributions.continuous_bernoulli import ContinuousBernoulli
+from tfdist.distributions.dirichlet import Dirichlet
 from tfdist.distributions.distribution import Distribution
+from tfdist.distributions.exp_family import ExponentialFamily
+from tfdist.distributions.exponential import Exponential
+from tfdist.distributions.gamma import Gamma
+from tfdist.distributions.geometric import Geometric
+from tfdist.distributions.gumbel import Gumbel
+from tfdist.distributions.half_normal import HalfNormal
+from tfdist.distributions.independent import Independent
+from tfdist.distributions.laplace import Laplace
+from tfdist.distributions.log_normal import LogNormal
+from tfdist.distributions.lowrank_multivariate_normal import LowRankMultivariateNormal
+from tfdist.distributions.multivariate_normal import MultivariateNormal
+from tfdist.distributions.normal import Normal
+from tfdist.distributions.one_hot_categorical import OneHotCategorical
+from tfdist.distributions.pareto import Pareto
+from tfdist.distributions.poisson import Poisson
+from tfdist.distributions.uniform import Uniform
 
 __all__ = ["register_kl", "kl_divergence"]
 
@@ -98,26 +121,26 @@ def kl_divergence(p: Distribution, q: Distribution) -> tf.Tensor:
 
 
 def _tfp_kl(p, q):
-    return d.tfd().kl_divergence(p._tfp(), q._tfp())
+    return tfd().kl_divergence(p._tfp(), q._tfp())
 
 
 for _pair in (
-    (d.Normal, d.Normal), (d.Bernoulli, d.Bernoulli), (d.Categorical, d.Categorical),
-    (d.Exponential, d.Exponential), (d.Gamma, d.Gamma), (d.Beta, d.Beta), (d.Laplace, d.Laplace),
-    (d.Dirichlet, d.Dirichlet), (d.MultivariateNormal, d.MultivariateNormal), (d.Poisson, d.Poisson),
-    (d.Gumbel, d.Gumbel), (d.HalfNormal, d.HalfNormal), (d.LogNormal, d.LogNormal),
+    (Normal, Normal), (Bernoulli, Bernoulli), (Categorical, Categorical),
+    (Exponential, Exponential), (Gamma, Gamma), (Beta, Beta), (Laplace, Laplace),
+    (Dirichlet, Dirichlet), (MultivariateNormal, MultivariateNormal), (Poisson, Poisson),
+    (Gumbel, Gumbel), (HalfNormal, HalfNormal), (LogNormal, LogNormal),
 ):
     register_kl(*_pair)(_tfp_kl)
 
 
-@register_kl(d.Uniform, d.Uniform)
+@register_kl(Uniform, Uniform)
 def _kl_uniform_uniform(p, q):
     result = tf.math.log((q.high - q.low) / (p.high - p.low))
     outside = tf.logical_or(q.low > p.low, q.high < p.high)
     return tf.where(outside, tf.constant(float("inf"), result.dtype), result)
 
 
-@register_kl(d.Independent, d.Independent)
+@register_kl(Independent, Independent)
 def _kl_independent_independent(p, q):
     if p.reinterpreted_batch_ndims != q.reinterpreted_batch_ndims:
         raise NotImplementedError("KL between Independents with different event dims is not implemented")
@@ -130,7 +153,6 @@ def _kl_independent_independent(p, q):
 # -- numerical integration in tests/test_kl.py ---------------------------------
 import math as _math  # noqa: E402
 
-from tfdist.distributions import _more as m  # noqa: E402
 from tfdist.distributions.transformed_distribution import TransformedDistribution  # noqa: E402
 
 _EULER = 0.57721566490153286060
@@ -141,18 +163,18 @@ def _inf_like(x):
     return tf.fill(tf.shape(x), tf.constant(_INF, x.dtype))
 
 
-@register_kl(d.Cauchy, d.Cauchy)
+@register_kl(Cauchy, Cauchy)
 def _kl_cauchy_cauchy(p, q):
     return tf.math.log(((p.scale + q.scale) ** 2 + (p.loc - q.loc) ** 2) / (4 * p.scale * q.scale))
 
 
-@register_kl(d.Geometric, d.Geometric)
+@register_kl(Geometric, Geometric)
 def _kl_geometric_geometric(p, q):
     # E_p[k] = (1 - p) / p failures
     return (-p.entropy() - tf.math.log(q.probs) - (1 - p.probs) / p.probs * tf.math.log1p(-q.probs))
 
 
-@register_kl(d.Pareto, d.Pareto)
+@register_kl(Pareto, Pareto)
 def _kl_pareto_pareto(p, q):
     # support [p.scale, inf) must lie within [q.scale, inf)
     a1, s1, a2, s2 = p.alpha, p.scale, q.alpha, q.scale
@@ -162,7 +184,7 @@ def _kl_pareto_pareto(p, q):
     return tf.where(s1 < s2, _inf_like(result), result)
 
 
-@register_kl(d.Binomial, d.Binomial)
+@register_kl(Binomial, Binomial)
 def _kl_binomial_binomial(p, q):
     if not bool(tf.reduce_all(tf.equal(p.total_count, q.total_count))):
         raise NotImplementedError("KL between Binomials where q.total_count != p.total_count is not implemented")
@@ -170,18 +192,18 @@ def _kl_binomial_binomial(p, q):
     return n * (pp * (tf.math.log(pp) - tf.math.log(qq)) + (1 - pp) * (tf.math.log1p(-pp) - tf.math.log1p(-qq)))
 
 
-@register_kl(m.OneHotCategorical, m.OneHotCategorical)
+@register_kl(OneHotCategorical, OneHotCategorical)
 def _kl_onehot_onehot(p, q):
     return kl_divergence(p._categorical, q._categorical)
 
 
-@register_kl(d.MultivariateNormal, m.LowRankMultivariateNormal)
-@register_kl(m.LowRankMultivariateNormal, d.MultivariateNormal)
-@register_kl(m.LowRankMultivariateNormal, m.LowRankMultivariateNormal)
+@register_kl(MultivariateNormal, LowRankMultivariateNormal)
+@register_kl(LowRankMultivariateNormal, MultivariateNormal)
+@register_kl(LowRankMultivariateNormal, LowRankMultivariateNormal)
 def _kl_mvn_family(p, q):
     if p.event_shape != q.event_shape:
         raise ValueError("KL between multivariate normals with different event shapes cannot be computed")
-    return d.tfd().kl_divergence(p._tfp(), q._tfp())
+    return tfd().kl_divergence(p._tfp(), q._tfp())
 
 
 @register_kl(TransformedDistribution, TransformedDistribution)
@@ -191,7 +213,7 @@ def _kl_transformed_transformed(p, q):
     return kl_divergence(p.base_dist, q.base_dist)
 
 
-@register_kl(d.Exponential, d.Gamma)
+@register_kl(Exponential, Gamma)
 def _kl_exponential_gamma(p, q):
     # E_p[x] = 1/l, E_p[log x] = -gamma - log l
     ratio = q.rate / p.rate
@@ -199,27 +221,27 @@ def _kl_exponential_gamma(p, q):
             + q.concentration * _EULER - (1 + _EULER))
 
 
-@register_kl(d.Exponential, d.Normal)
+@register_kl(Exponential, Normal)
 def _kl_exponential_normal(p, q):
     second = 1 / p.rate ** 2 + (1 / p.rate - q.loc) ** 2  # E_p[(x - mu)^2]
     return (tf.math.log(p.rate) - 1 + tf.math.log(q.scale) + 0.5 * _math.log(2 * _math.pi)
             + second / (2 * q.scale ** 2))
 
 
-@register_kl(d.Uniform, d.Normal)
+@register_kl(Uniform, Normal)
 def _kl_uniform_normal(p, q):
     width = p.high - p.low
     second = width ** 2 / 12 + ((p.high + p.low) / 2 - q.loc) ** 2
     return -tf.math.log(width) + tf.math.log(q.scale) + 0.5 * _math.log(2 * _math.pi) + second / (2 * q.scale ** 2)
 
 
-@register_kl(d.Uniform, d.Exponential)
+@register_kl(Uniform, Exponential)
 def _kl_uniform_exponential(p, q):
     result = -tf.math.log(p.high - p.low) - tf.math.log(q.rate) + q.rate * (p.high + p.low) / 2
     return tf.where(p.low < 0, _inf_like(result), result)
 
 
-@register_kl(d.Uniform, d.Gamma)
+@register_kl(Uniform, Gamma)
 def _kl_uniform_gamma(p, q):
     a, b = p.low, p.high
     safe_a = tf.maximum(a, 1e-30)
@@ -232,16 +254,16 @@ def _kl_uniform_gamma(p, q):
 
 def _support_mismatch(p, q):
     """p puts mass where q has none: KL is infinite."""
-    return _inf_like(tf.convert_to_tensor(p.mean if not isinstance(p, d.Cauchy) else p.loc))
+    return _inf_like(tf.convert_to_tensor(p.mean if not isinstance(p, Cauchy) else p.loc))
 
 
 for _p, _q in (
-    (d.Normal, d.Exponential), (d.Normal, d.Gamma), (d.Normal, d.Beta), (d.Normal, d.Uniform),
-    (d.Normal, d.Pareto), (d.Laplace, d.Exponential), (d.Laplace, d.Gamma), (d.Laplace, d.Beta),
-    (d.Laplace, d.Uniform), (d.Laplace, d.Pareto), (d.Exponential, d.Beta), (d.Exponential, d.Uniform),
-    (d.Exponential, d.Pareto), (d.Gamma, d.Beta), (d.Gamma, d.Uniform), (d.Gamma, d.Pareto),
-    (d.Gumbel, d.Exponential), (d.Gumbel, d.Gamma), (d.Gumbel, d.Beta), (d.Gumbel, d.Uniform),
-    (d.Gumbel, d.Pareto),
+    (Normal, Exponential), (Normal, Gamma), (Normal, Beta), (Normal, Uniform),
+    (Normal, Pareto), (Laplace, Exponential), (Laplace, Gamma), (Laplace, Beta),
+    (Laplace, Uniform), (Laplace, Pareto), (Exponential, Beta), (Exponential, Uniform),
+    (Exponential, Pareto), (Gamma, Beta), (Gamma, Uniform), (Gamma, Pareto),
+    (Gumbel, Exponential), (Gumbel, Gamma), (Gumbel, Beta), (Gumbel, Uniform),
+    (Gumbel, Pareto),
 ):
     register_kl(_p, _q)(_support_mismatch)
 
@@ -257,28 +279,28 @@ def _bounds(p):
     mean = tf.convert_to_tensor(p.mean)
     inf = tf.fill(tf.shape(mean), tf.constant(_INF, mean.dtype))
     zero, one = tf.zeros_like(mean), tf.ones_like(mean)
-    if isinstance(p, (d.Beta, m.ContinuousBernoulli)):
+    if isinstance(p, (Beta, ContinuousBernoulli)):
         return zero, one
-    if isinstance(p, (d.Exponential, d.Gamma)):
+    if isinstance(p, (Exponential, Gamma)):
         return zero, inf
-    if isinstance(p, d.Pareto):
+    if isinstance(p, Pareto):
         return p.scale + zero, inf
-    if isinstance(p, d.Uniform):
+    if isinstance(p, Uniform):
         return p.low, p.high
     return -inf, inf  # Normal, Laplace, Gumbel
 
 
 def _elog(p):
     """E_p[log x] (p on positive reals)."""
-    if isinstance(p, d.Beta):
+    if isinstance(p, Beta):
         return tf.math.digamma(p.concentration1) - tf.math.digamma(p.concentration1 + p.concentration0)
-    if isinstance(p, d.Exponential):
+    if isinstance(p, Exponential):
         return -_EULER - tf.math.log(p.rate)
-    if isinstance(p, d.Gamma):
+    if isinstance(p, Gamma):
         return tf.math.digamma(p.concentration) - tf.math.log(p.rate)
-    if isinstance(p, d.Pareto):
+    if isinstance(p, Pareto):
         return tf.math.log(p.scale) + 1 / p.alpha
-    if isinstance(p, d.Uniform):
+    if isinstance(p, Uniform):
         return _uniform_elog(p.low, p.high)
     raise NotImplementedError(f"E[log x] of {type(p).__name__}")
 
@@ -292,22 +314,22 @@ def _uniform_elog(a, b):
 
 def _elog1m(p):
     """E_p[log(1 - x)] (p on the unit interval)."""
-    if isinstance(p, d.Beta):
+    if isinstance(p, Beta):
         return tf.math.digamma(p.concentration0) - tf.math.digamma(p.concentration1 + p.concentration0)
-    if isinstance(p, d.Uniform):
+    if isinstance(p, Uniform):
         return _uniform_elog(1 - p.high, 1 - p.low)
     raise NotImplementedError(f"E[log(1 - x)] of {type(p).__name__}")
 
 
 def _mgf(p, t):
     """E_p[exp(t x)]."""
-    if isinstance(p, d.Normal):
+    if isinstance(p, Normal):
         return tf.exp(p.loc * t + 0.5 * (p.scale * t) ** 2)
-    if isinstance(p, d.Exponential):
+    if isinstance(p, Exponential):
         return tf.where(t < p.rate, p.rate / (p.rate - t), tf.constant(_INF, p.rate.dtype))
-    if isinstance(p, d.Gamma):
+    if isinstance(p, Gamma):
         return tf.where(t < p.rate, (1 - t / p.rate) ** -p.concentration, tf.constant(_INF, p.rate.dtype))
-    if isinstance(p, d.Uniform):
+    if isinstance(p, Uniform):
         return (tf.exp(t * p.high) - tf.exp(t * p.low)) / (t * (p.high - p.low))
     raise NotImplementedError(f"the moment generating function of {type(p).__name__}")
 
@@ -344,7 +366,7 @@ def _xent_laplace(p, q):
     # p Normal: E|x - mu_q| is the mean of a folded normal
     delta, s = p.loc - q.loc, p.scale
     e_abs = (s * _math.sqrt(2 / _math.pi) * tf.exp(-delta ** 2 / (2 * s ** 2))
-             + delta * (1 - 2 * d.Normal(0.0, 1.0)._tfp().cdf(-delta / s)))
+             + delta * (1 - 2 * Normal(0.0, 1.0)._tfp().cdf(-delta / s)))
     return -tf.math.log(2 * q.scale) - e_abs / q.scale, None
 
 
@@ -373,9 +395,9 @@ def _xent_cb(p, q):
 
 
 _XENT = {
-    d.Normal: _xent_normal, d.Exponential: _xent_exponential, d.Gamma: _xent_gamma, d.Gumbel: _xent_gumbel,
-    d.Laplace: _xent_laplace, d.Uniform: _xent_uniform, d.Pareto: _xent_pareto, d.Beta: _xent_beta,
-    m.ContinuousBernoulli: _xent_cb,
+    Normal: _xent_normal, Exponential: _xent_exponential, Gamma: _xent_gamma, Gumbel: _xent_gumbel,
+    Laplace: _xent_laplace, Uniform: _xent_uniform, Pareto: _xent_pareto, Beta: _xent_beta,
+    ContinuousBernoulli: _xent_cb,
 }
 
 
@@ -383,9 +405,9 @@ def _kl_by_cross_entropy(p, q):
     lo, hi = _bounds(p)
     # a target with bounded support cannot cover p's unbounded tail (no moment needed)
     unbounded = tf.logical_or(tf.math.is_inf(lo), tf.math.is_inf(hi))
-    if type(q) in (d.Uniform, d.Beta, m.ContinuousBernoulli) and bool(tf.reduce_all(unbounded)):
+    if type(q) in (Uniform, Beta, ContinuousBernoulli) and bool(tf.reduce_all(unbounded)):
         return _inf_like(lo)
-    if type(q) is d.Pareto and bool(tf.reduce_all(lo < q.scale)):
+    if type(q) is Pareto and bool(tf.reduce_all(lo < q.scale)):
         return _inf_like(lo)
     xent, outside = _XENT[type(q)](p, q)
     kl = -p.entropy() - xent
@@ -395,35 +417,35 @@ def _kl_by_cross_entropy(p, q):
 
 
 for _p, _q in (
-    (d.Beta, m.ContinuousBernoulli), (d.Beta, d.Exponential), (d.Beta, d.Gamma), (d.Beta, d.Normal),
-    (d.Beta, d.Pareto), (d.Beta, d.Uniform), (m.ContinuousBernoulli, m.ContinuousBernoulli),
-    (m.ContinuousBernoulli, d.Exponential), (m.ContinuousBernoulli, d.Normal), (m.ContinuousBernoulli, d.Pareto),
-    (m.ContinuousBernoulli, d.Uniform), (d.Exponential, m.ContinuousBernoulli), (d.Exponential, d.Gumbel),
-    (d.Gamma, m.ContinuousBernoulli), (d.Gamma, d.Exponential), (d.Gamma, d.Gumbel), (d.Gamma, d.Normal),
-    (d.Gumbel, m.ContinuousBernoulli), (d.Gumbel, d.Normal), (d.Laplace, m.ContinuousBernoulli),
-    (d.Laplace, d.Normal), (d.Normal, m.ContinuousBernoulli), (d.Normal, d.Gumbel), (d.Normal, d.Laplace),
-    (d.Pareto, d.Beta), (d.Pareto, m.ContinuousBernoulli), (d.Pareto, d.Exponential), (d.Pareto, d.Gamma),
-    (d.Pareto, d.Normal), (d.Pareto, d.Uniform), (d.Uniform, d.Beta), (d.Uniform, m.ContinuousBernoulli),
-    (d.Uniform, d.Gumbel), (d.Uniform, d.Pareto),
+    (Beta, ContinuousBernoulli), (Beta, Exponential), (Beta, Gamma), (Beta, Normal),
+    (Beta, Pareto), (Beta, Uniform), (ContinuousBernoulli, ContinuousBernoulli),
+    (ContinuousBernoulli, Exponential), (ContinuousBernoulli, Normal), (ContinuousBernoulli, Pareto),
+    (ContinuousBernoulli, Uniform), (Exponential, ContinuousBernoulli), (Exponential, Gumbel),
+    (Gamma, ContinuousBernoulli), (Gamma, Exponential), (Gamma, Gumbel), (Gamma, Normal),
+    (Gumbel, ContinuousBernoulli), (Gumbel, Normal), (Laplace, ContinuousBernoulli),
+    (Laplace, Normal), (Normal, ContinuousBernoulli), (Normal, Gumbel), (Normal, Laplace),
+    (Pareto, Beta), (Pareto, ContinuousBernoulli), (Pareto, Exponential), (Pareto, Gamma),
+    (Pareto, Normal), (Pareto, Uniform), (Uniform, Beta), (Uniform, ContinuousBernoulli),
+    (Uniform, Gumbel), (Uniform, Pareto),
 ):
     register_kl(_p, _q)(_kl_by_cross_entropy)
 
 
-@register_kl(d.Bernoulli, d.Poisson)
+@register_kl(Bernoulli, Poisson)
 def _kl_bernoulli_poisson(p, q):
     # E_p[log q(k)] = p log r - r  (k in {0, 1}; log k! = 0)
     return -p.entropy() - (p.probs * tf.math.log(q.rate) - q.rate)
 
 
-@register_kl(d.Poisson, d.Bernoulli)
-@register_kl(d.Poisson, d.Binomial)
+@register_kl(Poisson, Bernoulli)
+@register_kl(Poisson, Binomial)
 def _kl_poisson_bounded(p, q):
     return _inf_like(p.rate)  # Poisson's unbounded support is not covered
 
 
-@register_kl(d.ExponentialFamily, d.ExponentialFamily)
+@register_kl(ExponentialFamily, ExponentialFamily)
 def _kl_expfamily_expfamily(p, q):
     if type(p) is not type(q):
         raise NotImplementedError("The cross KL-divergence between different exponential families cannot "
                                   "be computed using Bregman divergences")
-    return d.tfd().kl_divergence(p._tfp(), q._tfp())
+    return tfd().kl_divergence(p._tfp(), q._tfp())

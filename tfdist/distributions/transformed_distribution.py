@@ -7,14 +7,12 @@ from typing import Sequence
 import tensorflow as tf
 
 from tfdist.distributions import constraints
-from tfdist.distributions.distribution import Distribution, as_shape
+from tfdist.distributions.distribution import Distribution
 from tfdist.distributions.transforms import ComposeTransform, Transform
+from tfdist.distributions.utils import _sum_rightmost, as_shape
 
 __all__ = ["TransformedDistribution"]
 
-
-def _sum_rightmost(value, dims):
-    return tf.reduce_sum(value, axis=list(range(-dims, 0))) if dims > 0 else value
 
 
 class TransformedDistribution(Distribution):

@@ -14,6 +14,7 @@ from typing import Sequence
 import tensorflow as tf
 
 from tfdist.distributions import constraints
+from tfdist.distributions.utils import _sum_rightmost
 
 __all__ = [
     "Transform", "ComposeTransform", "ExpTransform", "AffineTransform", "SigmoidTransform",
@@ -22,9 +23,6 @@ __all__ = [
     "CumulativeDistributionTransform", "identity_transform",
 ]
 
-
-def _sum_rightmost(value: tf.Tensor, dims: int) -> tf.Tensor:
-    return tf.reduce_sum(value, axis=list(range(-dims, 0))) if dims > 0 else value
 
 
 class Transform:
@@ -165,6 +163,16 @@ class ComposeTransform(Transform):
         if not self.parts:
             return constraints.real
         return self.parts[-1].codomain
+
+    def forward_shape(self, shape):
+        for p in self.parts:
+            shape = p.forward_shape(shape)
+        return shape
+
+    def inverse_shape(self, shape):
+        for p in reversed(self.parts):
+            shape = p.inverse_shape(shape)
+        return shape
 
     @property
     def sign(self):

@@ -22,18 +22,24 @@ from __future__ import annotations
 
 import keras
 
-from tfdist.keras import _backend, _optimizer, _trainer, _variables
-from tfdist.keras._layout_map import LayoutMap
+from tfdist import _patches
 
 if keras.backend.backend() != "tensorflow":
     raise ImportError(
         "tfdist.keras needs the TensorFlow backend of Keras 3; set KERAS_BACKEND=tensorflow "
         f"before importing keras. Current backend: {keras.backend.backend()!r}"
     )
+_patches.check_versions()
 
+from tfdist.keras import _backend, _optimizer, _trainer, _variables  # noqa: E402
+
+# Every change to Keras internals is a row of tfdist._patches.PATCHES.
 _backend.install()
 _variables.install()
 _optimizer.install()
 _trainer.install()
+
+from tfdist.keras import _modules  # noqa: E402,F401  (registers the Keras ModuleBackend)
+from tfdist.keras._layout_map import LayoutMap  # noqa: E402
 
 __all__ = ["LayoutMap"]

@@ -16,7 +16,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from tfdist import _runtime
+from tfdist import _patches, _runtime
 from tfdist.device_mesh import DeviceMesh
 
 __all__ = ["tfdist_mesh", "to_tf_layout", "distribute_tensor", "install"]
@@ -96,14 +96,13 @@ def _get_device_count(device_type: str | None = None) -> int:
 
 
 def install() -> None:
-    """Fills Keras' TF ``distribution_lib`` with the functions above."""
-    from keras.src.backend.tensorflow import distribution_lib as lib
-
-    lib._to_backend_mesh = _to_backend_mesh
-    lib._to_backend_layout = to_tf_layout
-    lib.distribute_tensor = distribute_tensor
-    lib.distribute_value = distribute_tensor
-    lib.distribute_variable = _distribute_variable
-    lib.num_processes = _num_processes
-    lib.process_id = _process_id
-    lib.get_device_count = _get_device_count
+    """Fills Keras' TF ``distribution_lib`` with the functions above (rows of tfdist._patches)."""
+    lib = "keras.src.backend.tensorflow.distribution_lib:"
+    _patches.install(lib + "_to_backend_mesh", _to_backend_mesh)
+    _patches.install(lib + "_to_backend_layout", to_tf_layout)
+    _patches.install(lib + "distribute_tensor", distribute_tensor)
+    _patches.install(lib + "distribute_value", distribute_tensor)
+    _patches.install(lib + "distribute_variable", _distribute_variable)
+    _patches.install(lib + "num_processes", _num_processes)
+    _patches.install(lib + "process_id", _process_id)
+    _patches.install(lib + "get_device_count", _get_device_count)

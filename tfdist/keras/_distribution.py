@@ -8,6 +8,8 @@ created on the same mesh -- replicated unless a style gave them a layout.
 from __future__ import annotations
 
 import keras
+
+# Keras exports no base class for distributions; this is the one its own subclass.
 from keras.src.distribution.distribution_lib import Distribution
 
 from tfdist.device_mesh import DeviceMesh

@@ -17,10 +17,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from keras.src.distribution.distribution_lib import LayoutMap as KerasLayoutMap
-from keras.src.distribution.distribution_lib import TensorLayout
+from keras.distribution import LayoutMap as KerasLayoutMap
+from keras.distribution import TensorLayout
 
-from tfdist.tensor.placement_types import Placement, Shard
+from tfdist.keras._backend import tfdist_mesh
+from tfdist.keras._modules import KerasModules
+from tfdist.tensor.parallel.style import ParallelStyle
+from tfdist.tensor.placement_types import Placement, Replicate, Shard
 
 __all__ = ["LayoutMap"]
 
@@ -47,8 +50,6 @@ class LayoutMap(KerasLayoutMap):
             )
 
     def __setitem__(self, key: str, layout: Any) -> None:
-        from tfdist.tensor.parallel.style import ParallelStyle
-
         if isinstance(layout, ParallelStyle):
             if key in self._layout_map:
                 raise ValueError(f"{key} already exists in the LayoutMap with value {self._layout_map[key]}.")
@@ -65,6 +66,9 @@ class LayoutMap(KerasLayoutMap):
         if value is None or isinstance(value, TensorLayout):
             return value
         return _ResolveLater(value, self, key)
+
+
+_MODULES = KerasModules()
 
 
 class _StaticPlacements:
@@ -114,18 +118,13 @@ class _ResolveLater:
         return TensorLayout(tuple(axes), mesh)
 
     def _from_style(self, variable: Any, layer: Any, mesh: Any):
-        from tfdist.tensor.placement_types import Replicate
-
         if layer is None:
             raise ValueError(
                 f"LayoutMap key {self.path!r} maps to a style, which needs the variable's layer; "
                 f"variable {variable.path!r} was not created by a layer."
             )
-        from tfdist.keras._backend import tfdist_mesh
-        from tfdist.tensor.parallel.style import _Context
-
         tp = tfdist_mesh(mesh)[self.layout_map.tp_dim_name]
-        weights = self.value._weights(layer, _Context(tp, None, layer.name))
+        weights = self.value.weight_placements(layer, tp, _MODULES)
         tp_placement = weights.get(variable.name, [Replicate()])[0]
         return tuple(
             tp_placement if name == self.layout_map.tp_dim_name else Replicate() for name in mesh.axis_names

@@ -5,15 +5,17 @@
 * An ``IndexedSlices`` gradient (an Embedding's) is made dense: DTensor has
   no layout for ``ResourceScatterAdd``, and the dense form is textbook Adam
   (Keras 3's sparse Adam squares each repeated row separately, see
-  shared/known-issues/keras3_adam_duplicate_indexed_slices.py).
+  docs/tf_dtensor_repros/keras3_adam_duplicate_indexed_slices.py).
 * Slot variables (Adam moments, ...) take the layout of their parameter.
 """
 
 from __future__ import annotations
 
+import keras
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from tfdist import _patches
 from tfdist.keras import _variables
 
 __all__ = ["install"]
@@ -26,15 +28,15 @@ def _dense(value):
 
 
 def install() -> None:
-    from keras.src import backend
     from keras.src.backend.tensorflow.optimizer import TFOptimizer
 
     if getattr(TFOptimizer, "_tfdist_installed", False):
         return
-    originals = {n: getattr(TFOptimizer, n) for n in ("assign", "assign_add", "assign_sub")}
+    opt = "keras.src.backend.tensorflow.optimizer:TFOptimizer."
+    originals = {n: _patches.original(opt + n) for n in ("assign", "assign_add", "assign_sub")}
 
     def _target(variable):
-        return variable._value if isinstance(variable, backend.Variable) else variable
+        return variable._value if isinstance(variable, keras.Variable) else variable
 
     def make(name, combine):
         original = originals[name]
@@ -50,11 +52,11 @@ def install() -> None:
         method.__name__ = name
         return method
 
-    TFOptimizer.assign = make("assign", lambda old, v: v)
-    TFOptimizer.assign_add = make("assign_add", lambda old, v: old + v)
-    TFOptimizer.assign_sub = make("assign_sub", lambda old, v: old - v)
+    _patches.install(opt + "assign", make("assign", lambda old, v: v))
+    _patches.install(opt + "assign_add", make("assign_add", lambda old, v: old + v))
+    _patches.install(opt + "assign_sub", make("assign_sub", lambda old, v: old - v))
 
-    original_from_reference = TFOptimizer.add_variable_from_reference
+    original_from_reference = _patches.original(opt + "add_variable_from_reference")
 
     def add_variable_from_reference(self, reference_variable, name=None, initializer="zeros"):
         inner = _target(reference_variable)
@@ -64,14 +66,14 @@ def install() -> None:
         with _variables.layout_scope(layout):
             return original_from_reference(self, reference_variable, name=name, initializer=initializer)
 
-    TFOptimizer.add_variable_from_reference = add_variable_from_reference
+    _patches.install(opt + "add_variable_from_reference", add_variable_from_reference)
 
-    original_update = TFOptimizer._backend_update_step
+    original_update = _patches.original(opt + "_backend_update_step")
 
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
         if any(_variables.is_dtensor_variable(v) for v in trainable_variables):
             grads = [_dense(g) for g in grads]
         return original_update(self, grads, trainable_variables, learning_rate)
 
-    TFOptimizer._backend_update_step = _backend_update_step
+    _patches.install(opt + "_backend_update_step", _backend_update_step)
     TFOptimizer._tfdist_installed = True

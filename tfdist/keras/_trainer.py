@@ -14,22 +14,21 @@ from __future__ import annotations
 
 import re
 
+import keras
 import numpy as np
 import tensorflow as tf
 
+from tfdist import _patches
+from tfdist.device_mesh import DeviceMesh
 from tfdist.keras import _data, _variables
+from tfdist.keras._backend import tfdist_mesh
 
 __all__ = ["install", "mesh_of", "check_layout_map"]
 
 
 def mesh_of(model):
     """(root tfdist DeviceMesh, batch mesh dim index or None) of a distributed model."""
-    from keras.src.distribution import distribution_lib
-
-    from tfdist.device_mesh import DeviceMesh
-    from tfdist.keras._backend import tfdist_mesh
-
-    distribution = distribution_lib.distribution()
+    distribution = keras.distribution.distribution()
     tf_mesh = next(
         (_variables.layout_of(v._value).mesh for v in model.variables if _variables.is_dtensor_variable(v)),
         None,
@@ -54,9 +53,7 @@ def mesh_of(model):
 
 def check_layout_map(model) -> None:
     """Every LayoutMap key must match a variable: a silently replicated model is an error."""
-    from keras.src.distribution import distribution_lib
-
-    distribution = distribution_lib.distribution()
+    distribution = keras.distribution.distribution()
     layout_map = getattr(distribution, "_layout_map", None)
     if layout_map is None or getattr(model, "_tfdist_layout_map_checked", False):
         return
@@ -73,12 +70,10 @@ def check_layout_map(model) -> None:
 
 def _distributed(model) -> bool:
     """Variables on a mesh, or (no variables yet) a keras distribution that will put them there."""
-    from keras.src.distribution import distribution_lib
-
     variables = model.variables
     if variables:
         return any(_variables.is_dtensor_variable(v) for v in variables)
-    return distribution_lib.distribution() is not None
+    return keras.distribution.distribution() is not None
 
 
 def install() -> None:
@@ -86,8 +81,9 @@ def install() -> None:
 
     if getattr(TensorFlowTrainer, "_tfdist_installed", False):
         return
-    original_make = TensorFlowTrainer._make_function
-    original_predict = TensorFlowTrainer.make_predict_function
+    trainer = "keras.src.backend.tensorflow.trainer:TensorFlowTrainer."
+    original_make = _patches.original(trainer + "_make_function")
+    original_predict = _patches.original(trainer + "make_predict_function")
 
     def _make_function(self, step_function):
         if not _distributed(self):
@@ -129,6 +125,6 @@ def install() -> None:
         self.predict_function = predict_function
         return predict_function
 
-    TensorFlowTrainer._make_function = _make_function
-    TensorFlowTrainer.make_predict_function = make_predict_function
+    _patches.install(trainer + "_make_function", _make_function)
+    _patches.install(trainer + "make_predict_function", make_predict_function)
     TensorFlowTrainer._tfdist_installed = True

@@ -8,7 +8,7 @@ it is the same on any mesh) is laid out and ``_value`` becomes a DVariable.
 
 Reads after writes: on a 2-D mesh TF DTensor returns the *old* value when a
 DVariable is read after its own assignment inside a ``tf.function``
-(``shared/known-issues/dtensor_stale_read_after_write.py``), which silently
+(``docs/tf_dtensor_repros/dtensor_stale_read_after_write.py``), which silently
 breaks Keras optimizers and metrics.  tfdist records, per traced graph, the
 value last written to each DVariable and serves reads in that graph from it:
 the program then reads "the value it computed", which TF DTensor gets right.
@@ -20,8 +20,13 @@ import threading
 import weakref
 from typing import Any
 
+import keras
 import tensorflow as tf
 from tensorflow.experimental import dtensor
+
+from tfdist import _patches
+from tfdist.keras._backend import _as_tf_layout, distribute_tensor
+from tfdist.keras._data import gather_to_numpy
 
 __all__ = [
     "is_dtensor_variable",
@@ -81,8 +86,6 @@ def write(dvariable: dtensor.DVariable, value: tf.Tensor) -> tf.Tensor:
     value = tf.cast(tf.convert_to_tensor(value), dvariable.dtype)
     if tf.executing_eagerly() and not dtensor.is_dtensor(value):
         # a host value (load_weights, set_weights, assign(numpy)): lay it out first
-        from tfdist.keras._backend import distribute_tensor
-
         value = distribute_tensor(value, layout_of(dvariable))
     dvariable.assign(value)
     record_write(dvariable, value)
@@ -123,9 +126,7 @@ def _pick_layout(variable: Any) -> dtensor.Layout | None:
         layout_fn = pending.get(variable.name)
         if layout_fn is not None:
             return layout_fn(len(variable.shape))
-    from keras.src.distribution import distribution_lib
-
-    distribution = distribution_lib.distribution()
+    distribution = keras.distribution.distribution()
     if distribution is None:
         return None
     layout = distribution.get_variable_layout(variable)
@@ -133,12 +134,10 @@ def _pick_layout(variable: Any) -> dtensor.Layout | None:
         return None
     if hasattr(layout, "for_variable"):  # a tfdist LayoutMap value: style or placements
         layout = layout.for_variable(variable, layer)
-    from tfdist.keras._backend import _as_tf_layout
-
     return _as_tf_layout(layout)
 
 
-def _check_divisible(variable: Any, layout: dtensor.Layout) -> None:
+def check_divisible(variable: Any, layout: dtensor.Layout) -> None:
     shape = tuple(variable.shape)
     mesh_shape = dict(zip(layout.mesh.dim_names, layout.mesh.shape()))
     for d, spec in enumerate(layout.sharding_specs):
@@ -153,9 +152,7 @@ def _check_divisible(variable: Any, layout: dtensor.Layout) -> None:
 
 def to_dvariable(variable: Any, layout: dtensor.Layout) -> None:
     """Moves an existing Keras variable onto ``layout`` (in place)."""
-    from tfdist.keras._backend import distribute_tensor
-
-    _check_divisible(variable, layout)
+    check_divisible(variable, layout)
     old = variable._value
     value = old.read_value() if isinstance(old, tf.Variable) else tf.convert_to_tensor(old)
     if isinstance(old, dtensor.DVariable):
@@ -171,13 +168,13 @@ def to_dvariable(variable: Any, layout: dtensor.Layout) -> None:
 def install() -> None:
     from keras.src.backend.common import KerasVariable
     from keras.src.backend.tensorflow import core
-    from keras.src.layers.layer import Layer
 
     Variable = core.Variable
     if getattr(Variable, "_tfdist_installed", False):
         return
-    original_initialize = Variable._initialize
-    original_direct_assign = Variable._direct_assign
+    core_ = "keras.src.backend.tensorflow.core:Variable."
+    original_initialize = _patches.original(core_ + "_initialize")
+    original_direct_assign = _patches.original(core_ + "_direct_assign")
 
     def _initialize(self, value):
         if isinstance(value, tf.Variable):
@@ -189,9 +186,7 @@ def install() -> None:
         layout = _pick_layout(self)
         if layout is None:
             return original_initialize(self, value)
-        from tfdist.keras._backend import distribute_tensor
-
-        _check_divisible(self, layout)
+        check_divisible(self, layout)
         # Variables may be created while a step is traced (optimizer slots):
         # their initial value must be made eagerly.
         with tf.init_scope():
@@ -221,13 +216,11 @@ def install() -> None:
     def handle(self):
         return self._value.handle
 
-    original_numpy = Variable.numpy
+    original_numpy = _patches.original(core_ + "numpy")
     original_array = KerasVariable.__array__
 
     def numpy(self):
         if isinstance(self._value, dtensor.DVariable):
-            from tfdist.keras._data import gather_to_numpy
-
             return gather_to_numpy(self._value.read_value())
         return original_numpy(self)
 
@@ -237,7 +230,7 @@ def install() -> None:
             return out.astype(dtype) if dtype is not None else out
         return original_array(self, dtype, *args, **kwargs)
 
-    original_add_weight = Layer.add_weight
+    original_add_weight = _patches.original("keras.src.layers.layer:Layer.add_weight")
 
     def add_weight(self, *args, **kwargs):
         # lets the creation hook see which layer a new weight belongs to
@@ -254,11 +247,11 @@ def install() -> None:
             variable._tfdist_layout_fn = pending[variable.name]
         return variable
 
-    Variable._initialize = _initialize
-    Variable._direct_assign = _direct_assign
-    Variable.value = property(value)
-    Variable.handle = property(handle)
-    Variable.numpy = numpy
-    Variable.__array__ = __array__
-    Layer.add_weight = add_weight
+    _patches.install(core_ + "_initialize", _initialize)
+    _patches.install(core_ + "_direct_assign", _direct_assign)
+    _patches.install(core_ + "value", property(value))
+    _patches.install(core_ + "handle", property(handle))
+    _patches.install(core_ + "numpy", numpy)
+    _patches.install(core_ + "__array__", __array__)
+    _patches.install("keras.src.layers.layer:Layer.add_weight", add_weight)
     Variable._tfdist_installed = True

@@ -1,12 +1,12 @@
 """tfdist.tensor: DTensor, placements and their constructors (torch.distributed.tensor)."""
 
+from tfdist.device_mesh import DeviceMesh, init_device_mesh
 from tfdist.tensor import _dispatch  # noqa: F401  (registers TF API dispatch)
-from tfdist.tensor._api import ChunkStorageMetadata, DTensor, distribute_tensor
+from tfdist.tensor._api import DTensor, distribute_tensor
 from tfdist.tensor._factory import empty, full, ones, rand, randn, zeros
 from tfdist.tensor._layout import compute_local_shape_and_global_offset
 from tfdist.tensor._module import distribute_module
 from tfdist.tensor.placement_types import Partial, Placement, Replicate, Shard
-from tfdist.device_mesh import DeviceMesh, init_device_mesh
 
 __all__ = [
     "DTensor",
@@ -25,5 +25,4 @@ __all__ = [
     "rand",
     "randn",
     "compute_local_shape_and_global_offset",
-    "ChunkStorageMetadata",
 ]

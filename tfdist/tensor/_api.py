@@ -18,28 +18,28 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 from tensorflow.python.framework import composite_tensor_gradient
 
+from tfdist import _runtime
 from tfdist.device_mesh import DeviceMesh, resolve_mesh
 from tfdist.tensor._layout import (
     DTensorSpec,
     normalize_placements,
     placements_from_tf_layout,
+    to_root_placements,
 )
 from tfdist.tensor._redistribute import redistribute_physical
 from tfdist.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-__all__ = ["DTensor", "distribute_tensor", "ChunkStorageMetadata"]
+# ChunkStorageMetadata is torch.distributed.checkpoint.metadata's; it is exported with tfdist.checkpoint
+__all__ = ["DTensor", "distribute_tensor"]
 
 # -- static metadata, interned so ExtensionType fields stay plain strings -----
 _MESHES: dict[str, DeviceMesh] = {}
 
 
 def _mesh_key(mesh: DeviceMesh) -> str:
-    # computed once per mesh object: every op wraps its result with it
-    key = mesh.__dict__.get("_tfdist_key")
-    if key is None:
-        key = f"{mesh.to_tf().to_string()}#{mesh.root_dims}#{mesh.mesh_dim_names is not None}"
-        _MESHES.setdefault(key, mesh)
-        mesh._tfdist_key = key
+    # DeviceMesh.key is computed once per mesh; every op wraps its result with it
+    key = mesh.key
+    _MESHES.setdefault(key, mesh)
     return key
 
 
@@ -304,7 +304,7 @@ class DTensor(tf.experimental.ExtensionType):
         and an all-reduce per Partial mesh dim.  Differentiable.
         """
         del grad_placements
-        if not self.device_mesh.local_device_ids():
+        if len(self.device_mesh.local_device_ids()) == 0:  # a list; autograph mis-handles `not list`
             raise ValueError(
                 "full_tensor() needs this client to own a device of the DTensor's "
                 f"mesh; it owns none of {self.device_mesh!r}."
@@ -473,9 +473,7 @@ def _target_spec(src: DTensorSpec, device_mesh, placements) -> DTensorSpec:
     if mesh == src.mesh:
         return DTensorSpec(mesh, placements, src.shape)
     # Compose: keep the placements on dims that ``mesh`` does not cover.
-    root = list(src.root_placements)
-    for dim, p in zip(mesh.root_dims, placements):
-        root[dim] = p
+    root = to_root_placements(mesh, placements, base=src.root_placements)
     dims = sorted(set(mesh.root_dims) | {m for m in src.mesh.root_dims if not root[m].is_replicate()})
     union = mesh.root_mesh[tuple(mesh.root_mesh.axis_names[d] for d in dims)]
     composed = normalize_placements([root[d] for d in dims], union, len(src.shape))
@@ -563,8 +561,6 @@ def distribute_tensor(
 
 
 def _world_size() -> int:
-    from tfdist import _runtime
-
     return _runtime.get_world_size()
 
 

@@ -18,10 +18,10 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from tfdist.tensor import _sharding_prop as prop
 from tfdist.tensor._api import DTensor
 from tfdist.tensor._layout import DTensorSpec
 from tfdist.tensor._redistribute import redistribute_physical
-from tfdist.tensor import _sharding_prop as prop
 from tfdist.tensor.placement_types import Replicate
 
 __all__: list[str] = []

@@ -15,9 +15,9 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfdist.device_mesh import DeviceMesh, resolve_mesh
+from tfdist.tensor import _random as _random_lib
 from tfdist.tensor._api import DTensor
 from tfdist.tensor._layout import DTensorSpec, normalize_placements
-from tfdist.tensor import _random as _random_lib
 from tfdist.tensor.placement_types import Placement
 
 __all__ = ["zeros", "ones", "empty", "full", "rand", "randn"]

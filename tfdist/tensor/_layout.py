@@ -36,6 +36,7 @@ __all__ = [
     "compute_local_shape_and_global_offset",
     "chunk_size",
     "placements_from_tf_layout",
+    "to_root_placements",
 ]
 
 
@@ -100,6 +101,23 @@ def normalize_placements(
     return tuple(out)
 
 
+def to_root_placements(
+    mesh: DeviceMesh,
+    placements: Sequence[Placement],
+    base: Sequence[Placement] | None = None,
+) -> tuple[Placement, ...]:
+    """Placements on ``mesh`` (a root mesh or a slice of one) as placements on its root.
+
+    The root mesh dims that ``mesh`` leaves out keep their entry of ``base``
+    (default: ``Replicate()``).  This is the one place that maps a slice's
+    placements onto the root; every API that accepts ``mesh["tp"]`` uses it.
+    """
+    root = list(base) if base is not None else [Replicate()] * mesh.root_mesh.ndim
+    for dim, p in zip(mesh.root_dims, placements):
+        root[dim] = p
+    return tuple(root)
+
+
 @dataclasses.dataclass(frozen=True)
 class DTensorSpec:
     """Mesh, placements and global shape of a DTensor, and its physical encoding.
@@ -118,10 +136,7 @@ class DTensorSpec:
 
     @functools.cached_property
     def root_placements(self) -> tuple[Placement, ...]:
-        root = [Replicate()] * self.mesh.root_mesh.ndim
-        for dim, p in zip(self.mesh.root_dims, self.placements):
-            root[dim] = p
-        return tuple(root)
+        return to_root_placements(self.mesh, self.placements)
 
     @functools.cached_property
     def root_shape(self) -> tuple[int, ...]:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from tensorflow.experimental import dtensor
-
 from tfdist.device_mesh import DeviceMesh, resolve_mesh
-from tfdist.tensor._layout import normalize_placements, physical_layout
-from tfdist.tensor.placement_types import Replicate
+from tfdist.tensor._layout import (
+    normalize_placements,
+    physical_layout,
+    to_root_placements,
+)
+from tfdist.tensor._modules import Pending, module_backend, replicate_unplaced
 
 __all__ = ["distribute_module"]
 
@@ -45,12 +47,9 @@ def distribute_module(
 
         distribute_module(model, mesh, shard_kernels)
     """
-    import tfdist.keras  # noqa: F401  (DVariable-backed Keras variables)
-    from tfdist.keras import _variables
-    from tfdist.tensor.parallel import _keras_layers as kl
-
     mesh = resolve_mesh(device_mesh, "distribute_module")
-    if not getattr(module, "built", False):
+    modules = module_backend(module, "distribute_module")
+    if not modules.is_built(module):
         raise ValueError(
             "distribute_module needs a built layer (its weights must exist): call it on "
             "an input or build(input_shape) first, or use parallelize_module, which also "
@@ -58,33 +57,28 @@ def distribute_module(
         )
     root = mesh.root_mesh
     plans = []
-    for fqn, layer in kl.named_layers(module):
-        if isinstance(layer, kl.Pending):
+    for fqn, layer in modules.named_layers(module):
+        if isinstance(layer, Pending):
             continue
         wanted = partition_fn(fqn, layer, mesh) if partition_fn is not None else None
-        own = kl.weight_names(layer)
+        own = modules.weights(layer)
         for name, placements in (wanted or {}).items():
             if name not in own:
                 raise ValueError(
-                    f"partition_fn returned weight {name!r} for layer {fqn or layer.name!r}, "
+                    f"partition_fn returned weight {name!r} for layer {fqn or modules.layer_name(layer)!r}, "
                     f"which has {sorted(own)}."
                 )
             variable = own[name]
             rank = len(variable.shape)
-            p = normalize_placements(tuple(placements), mesh, rank)
-            full = [Replicate()] * root.ndim
-            for d, q in zip(mesh.root_dims, p):
-                full[d] = q
+            full = to_root_placements(mesh, normalize_placements(tuple(placements), mesh, rank))
             layout = physical_layout(root, full, rank)
-            _variables._check_divisible(variable, layout)
+            modules.check_layout(variable, layout)
             plans.append((variable, layout))
     for variable, layout in plans:
-        _variables.to_dvariable(variable, layout)
-    for variable in module.variables:
-        if not _variables.is_dtensor_variable(variable):
-            _variables.to_dvariable(variable, dtensor.Layout.replicated(root.to_tf(), len(variable.shape)))
+        modules.place_variable(variable, layout)
+    replicate_unplaced(modules, module, mesh)
     if input_fn is not None or output_fn is not None:
         before = (lambda args, kwargs: (tuple(input_fn(module, args, mesh)), kwargs)) if input_fn else None
         after = (lambda outputs: output_fn(module, outputs, mesh)) if output_fn else None
-        kl.wrap_call(module, before, after)
+        modules.wrap_call(module, before, after)
     return module

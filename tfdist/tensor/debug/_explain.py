@@ -6,7 +6,11 @@ from typing import Sequence
 
 from tfdist.device_mesh import DeviceMesh
 from tfdist.tensor._api import DTensor, _target_spec
-from tfdist.tensor._redistribute import TransformStep, check_transition, plan_redistribute
+from tfdist.tensor._redistribute import (
+    TransformStep,
+    check_transition,
+    plan_redistribute,
+)
 from tfdist.tensor.placement_types import Placement
 
 __all__ = ["explain_redistribute"]

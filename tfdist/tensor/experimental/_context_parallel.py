@@ -21,7 +21,9 @@ from tensorflow.experimental import dtensor
 
 from tfdist.device_mesh import DeviceMesh
 from tfdist.tensor._api import DTensor, distribute_tensor
-from tfdist.tensor._layout import physical_layout
+from tfdist.tensor._layout import physical_layout, to_root_placements
+from tfdist.tensor._modules import loaded_backends
+from tfdist.tensor.parallel.style import as_tf, on_mesh
 from tfdist.tensor.placement_types import Replicate, Shard
 
 __all__ = ["context_parallel"]
@@ -29,12 +31,11 @@ __all__ = ["context_parallel"]
 
 def _layout(mesh: DeviceMesh, rank: int, seq_dim: int | None) -> dtensor.Layout:
     root = mesh.root_mesh
-    placements = [Replicate()] * root.ndim
+    base = [Replicate()] * root.ndim
     others = [d for d in range(root.ndim) if d not in mesh.root_dims]
     if len(others) == 1 and seq_dim != 0:
-        placements[others[0]] = Shard(0)  # the batch stays data-parallel
-    if seq_dim is not None:
-        placements[mesh.root_dims[0]] = Shard(seq_dim)
+        base[others[0]] = Shard(0)  # the batch stays data-parallel
+    placements = to_root_placements(mesh, [Shard(seq_dim) if seq_dim is not None else Replicate()], base)
     return physical_layout(root, placements, rank)
 
 
@@ -84,23 +85,16 @@ def context_parallel(
         else:
             sharded.append(distribute_tensor(buf, mesh, placements))
 
-    import keras
+    tf_mesh = mesh.root_mesh.to_tf()
 
-    cls = keras.layers.MultiHeadAttention
-    original = cls._compute_attention
-
-    def _compute_attention(self, query, key, value, *args, **kwargs):
-        from tfdist.tensor.parallel._keras_layers import as_tf, on_mesh
-
-        tf_mesh = mesh.root_mesh.to_tf()
+    def relayout_qkv(query, key, value):
         query, key, value = (on_mesh(as_tf(t), tf_mesh) for t in (query, key, value))
         query = dtensor.relayout(query, _layout(mesh, query.shape.rank, 1))
         key = dtensor.relayout(key, _layout(mesh, key.shape.rank, None))
         value = dtensor.relayout(value, _layout(mesh, value.shape.rank, None))
-        return original(self, query, key, value, *args, **kwargs)
+        return query, key, value
 
-    cls._compute_attention = _compute_attention
-    try:
+    with contextlib.ExitStack() as stack:
+        for modules in loaded_backends():
+            stack.enter_context(modules.attention_scope(relayout_qkv))
         yield sharded
-    finally:
-        cls._compute_attention = original

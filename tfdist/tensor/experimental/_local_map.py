@@ -22,8 +22,8 @@ from tensorflow.experimental import dtensor
 
 from tfdist.device_mesh import DeviceMesh
 from tfdist.tensor._api import DTensor
-from tfdist.tensor._layout import DTensorSpec, normalize_placements
-from tfdist.tensor.placement_types import Placement, Replicate, Shard
+from tfdist.tensor._layout import DTensorSpec, normalize_placements, to_root_placements
+from tfdist.tensor.placement_types import Placement, Shard
 
 __all__ = ["local_map"]
 
@@ -101,9 +101,7 @@ def _from_stacked(
     y: tf.Tensor, have: list[int], out: tuple[Placement, ...], mesh: DeviceMesh, root: DeviceMesh
 ) -> DTensor:
     """Stacked local results (leading axes for mesh dims ``have``) -> DTensor with ``out``."""
-    root_out: list[Placement] = [Replicate()] * root.ndim
-    for dim, p in zip(mesh.root_dims, out):
-        root_out[dim] = p
+    root_out = to_root_placements(mesh, out)
     local_rank = y.shape.rank - len(have)
     lead = list(have)
     axes: list[int | None] = lead + [None] * local_rank

@@ -1,9 +1,10 @@
 """Tensor parallelism for Keras 3 layers (torch.distributed.tensor.parallel).
 
-Importing it imports Keras (and installs tfdist's Keras integration).
+The styles speak placements; Keras layers are reached through
+``tfdist.tensor._modules`` (tfdist.keras is loaded when the first Keras
+layer is parallelized).
 """
 
-import tfdist.keras  # noqa: F401  (variables, optimizer and fit on DTensor)
 from tfdist.tensor.parallel.api import parallelize_module
 from tfdist.tensor.parallel.loss import loss_parallel
 from tfdist.tensor.parallel.style import (

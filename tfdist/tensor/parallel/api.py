@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from tensorflow.experimental import dtensor
-
 from tfdist.device_mesh import DeviceMesh, resolve_mesh
-from tfdist.tensor.parallel import _keras_layers as kl
+from tfdist.tensor._modules import Pending, module_backend, replicate_unplaced
+from tfdist.tensor.parallel._plan import match_plan
 from tfdist.tensor.parallel.style import ParallelStyle, _Context
 
 __all__ = ["parallelize_module"]
@@ -17,27 +16,6 @@ def _batch_axis(mesh: DeviceMesh) -> int | None:
     """The data-parallel root mesh dim: the one dim of the root that ``mesh`` leaves out."""
     others = [d for d in range(mesh.root_mesh.ndim) if d not in mesh.root_dims]
     return others[0] if len(others) == 1 else None
-
-
-def _ensure_distribution(mesh: DeviceMesh, batch_axis: int | None) -> None:
-    """Makes later variables (optimizer slots, metrics) live on the same mesh."""
-    from keras.src.distribution import distribution_lib
-
-    from tfdist.keras._backend import tfdist_mesh
-    from tfdist.keras._distribution import MeshDistribution
-
-    root = mesh.root_mesh
-    current = distribution_lib.distribution()
-    if current is not None:
-        if tfdist_mesh(current.device_mesh).to_tf() != root.to_tf():
-            raise ValueError(
-                "the active keras distribution uses another mesh than device_mesh; "
-                "parallelize under one mesh. Active: "
-                f"{current.device_mesh}, device_mesh: {mesh!r}"
-            )
-        return
-    name = root.axis_names[batch_axis] if batch_axis is not None else None
-    distribution_lib.set_distribution(MeshDistribution(root, batch_dim_name=name))
 
 
 def parallelize_module(
@@ -97,31 +75,22 @@ def parallelize_module(
             "parallelize_plan must be a ParallelStyle or a dict of layer path -> style. "
             f"Received: {type(parallelize_plan).__name__}"
         )
+    modules = module_backend(module, "parallelize_module")
     batch_axis = _batch_axis(mesh)
     # Check the whole plan first: a bad plan changes nothing.
     matches = [
-        (layer, style, _Context(mesh, batch_axis, fqn or module.name))
-        for fqn, layer, style in kl.match_plan(module, plan)
+        (layer, style, _Context(mesh, batch_axis, fqn or modules.layer_name(module), modules))
+        for fqn, layer, style in match_plan(modules, module, plan)
     ]
     for layer, style, ctx in matches:
-        if not isinstance(layer, kl.Pending):
+        if not isinstance(layer, Pending):
             style._validate(layer, ctx)
-    _ensure_distribution(mesh, batch_axis)
+    modules.attach_mesh(module, mesh, batch_axis)
     for layer, style, ctx in matches:
-        if isinstance(layer, kl.Pending):  # created when its parent builds
-            kl.defer(layer, lambda sub, style=style, ctx=ctx: style._apply(sub, ctx))
+        if isinstance(layer, Pending):  # created when its parent builds
+            modules.defer(layer, lambda sub, style=style, ctx=ctx: style._apply(sub, ctx))
         else:
             style._apply(layer, ctx)
-    _replicate_the_rest(module, mesh)
-    if batch_axis is not None:
-        module._tfdist_batch_dim = mesh.root_mesh.axis_names[batch_axis]
+    replicate_unplaced(modules, module, mesh)
     return module
 
-
-def _replicate_the_rest(module: Any, mesh: DeviceMesh) -> None:
-    from tfdist.keras import _variables
-
-    tf_mesh = mesh.root_mesh.to_tf()
-    for variable in getattr(module, "variables", []):
-        if not _variables.is_dtensor_variable(variable):
-            _variables.to_dvariable(variable, dtensor.Layout.replicated(tf_mesh, len(variable.shape)))

@@ -18,6 +18,9 @@ from typing import Iterator
 
 import tensorflow as tf
 
+from tfdist import _patches
+from tfdist.tensor._modules import loaded_backends
+
 __all__ = ["loss_parallel"]
 
 
@@ -31,23 +34,17 @@ def sharded_cross_entropy(labels: tf.Tensor, logits: tf.Tensor, axis: int = -1) 
     return lse - picked
 
 
-def _keras_backend_ce(target, output, from_logits=False, axis=-1):
-    output = tf.convert_to_tensor(output)
-    if not from_logits:
-        output = tf.math.log(tf.clip_by_value(output, 1e-7, 1.0 - 1e-7))
-    target = tf.convert_to_tensor(target)
-    if target.shape.rank == output.shape.rank:  # Keras allows a trailing 1
-        target = tf.squeeze(target, axis=-1)
-    return sharded_cross_entropy(target, output, axis)
-
-
-def _tf_ce(labels=None, logits=None, name=None):
+def _tf_ce(original, labels=None, logits=None, name=None):
+    del original, name
     return sharded_cross_entropy(tf.convert_to_tensor(labels), tf.convert_to_tensor(logits))
 
 
 @contextlib.contextmanager
 def loss_parallel() -> Iterator[None]:
     """Computes sparse cross-entropy on class-sharded logits without a gather.
+
+    Only calls made by the thread inside the block are affected; other
+    threads keep the ordinary functions, and nothing stays changed after it.
 
     Example::
 
@@ -57,12 +54,8 @@ def loss_parallel() -> Iterator[None]:
                           loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
             model.fit(x, y, batch_size=16)
     """
-    from keras.src.backend.tensorflow import nn as keras_nn
-
-    saved = (keras_nn.sparse_categorical_crossentropy, tf.nn.sparse_softmax_cross_entropy_with_logits)
-    keras_nn.sparse_categorical_crossentropy = _keras_backend_ce
-    tf.nn.sparse_softmax_cross_entropy_with_logits = _tf_ce
-    try:
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_patches.scoped("tensorflow.nn:sparse_softmax_cross_entropy_with_logits", _tf_ce))
+        for modules in loaded_backends():
+            stack.enter_context(modules.sharded_loss_scope(sharded_cross_entropy))
         yield
-    finally:
-        keras_nn.sparse_categorical_crossentropy, tf.nn.sparse_softmax_cross_entropy_with_logits = saved

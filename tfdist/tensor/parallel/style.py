@@ -28,8 +28,14 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfdist.device_mesh import DeviceMesh
-from tfdist.tensor._layout import DTensorSpec, normalize_placements, physical_layout
-from tfdist.tensor.parallel import _keras_layers as kl
+from tfdist.tensor._api import DTensor
+from tfdist.tensor._layout import (
+    DTensorSpec,
+    normalize_placements,
+    physical_layout,
+    to_root_placements,
+)
+from tfdist.tensor._modules import LayerKind, ModuleBackend
 from tfdist.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 __all__ = [
@@ -42,23 +48,33 @@ __all__ = [
 ]
 
 
+def on_mesh(x: tf.Tensor, mesh_tf: dtensor.Mesh) -> tf.Tensor:
+    """An eager plain tensor copied onto the mesh (replicated); DTensors/graph tensors unchanged."""
+    if tf.executing_eagerly() and not dtensor.is_dtensor(x):
+        return dtensor.copy_to_mesh(x, dtensor.Layout.replicated(mesh_tf, x.shape.rank))
+    return x
+
+
+def as_tf(x: Any) -> Any:
+    """tfdist DTensor -> its TF DTensor; other values unchanged."""
+    return x.to_tf() if isinstance(x, DTensor) else x
+
+
 @dataclasses.dataclass(frozen=True)
 class _Context:
-    """Where a style applies: the TP mesh (1-D, maybe a slice) and the batch mesh dim."""
+    """Where a style applies: the TP mesh (1-D, maybe a slice), the batch mesh dim, the layer's framework."""
 
     mesh: DeviceMesh
     batch_axis: int | None
     fqn: str
+    modules: ModuleBackend
 
     @property
     def root(self) -> DeviceMesh:
         return self.mesh.root_mesh
 
     def root_placements(self, placements: Sequence[Placement], rank: int) -> tuple[Placement, ...]:
-        placements = normalize_placements(tuple(placements), self.mesh, rank)
-        root: list[Placement] = [Replicate()] * self.root.ndim
-        for d, p in zip(self.mesh.root_dims, placements):
-            root[d] = p
+        root = list(to_root_placements(self.mesh, normalize_placements(tuple(placements), self.mesh, rank)))
         if (
             self.batch_axis is not None and rank >= 1 and root[self.batch_axis].is_replicate()
             and not any(p.is_shard(0) for p in root)
@@ -68,22 +84,19 @@ class _Context:
 
     def weight_layout(self, placements: Sequence[Placement]):
         def layout(rank: int) -> dtensor.Layout:
-            p = normalize_placements(tuple(placements), self.mesh, rank)
-            root: list[Placement] = [Replicate()] * self.root.ndim
-            for d, q in zip(self.mesh.root_dims, p):
-                root[d] = q
+            root = to_root_placements(self.mesh, normalize_placements(tuple(placements), self.mesh, rank))
             return physical_layout(self.root, root, rank)
 
         return layout
 
     def to_layout(self, x: Any, placements: Sequence[Placement] | None, use_local_output: bool = True) -> Any:
         """Relayouts activation ``x`` to ``placements`` on the TP mesh (None: leave it)."""
-        if placements is None or x is None or kl.is_symbolic(x):
+        if placements is None or x is None or self.modules.is_symbolic(x):
             return x
-        x = kl.as_tf(x)
+        x = as_tf(x)
         if not isinstance(x, tf.Tensor):
             return x
-        x = kl.on_mesh(x, self.root.to_tf())
+        x = on_mesh(x, self.root.to_tf())
         rank = x.shape.rank
         root = self.root_placements(placements, rank)
         for m, p in enumerate(root):
@@ -97,13 +110,11 @@ class _Context:
         y = dtensor.relayout(x, physical_layout(self.root, root, rank))
         if use_local_output:
             return y
-        from tfdist.tensor._api import DTensor
-
         spec = DTensorSpec(self.root, root, tuple(y.shape.as_list()))
         return DTensor._wrap(y, spec)
 
 
-def _one(layouts: Placement | Sequence[Placement] | None, default: Placement) -> tuple[Placement, ...]:
+def _as_placements(layouts: Placement | Sequence[Placement] | None, default: Placement) -> tuple[Placement, ...]:
     if layouts is None:
         return (default,)
     if isinstance(layouts, Placement):
@@ -126,17 +137,25 @@ class ParallelStyle:
         """Weight name -> placements on the TP mesh; raises for unsupported layers."""
         return {}
 
+    def weight_placements(self, layer: Any, mesh: DeviceMesh, modules: ModuleBackend) -> dict[str, list[Placement]]:
+        """Weight name -> the placements (on the 1-D ``mesh``) this style gives ``layer``'s weights.
+
+        Example::
+
+            ColwiseParallel().weight_placements(dense, mesh["tp"], modules)
+            # {'kernel': [Shard(dim=1)], 'bias': [Shard(dim=0)]}
+        """
+        return self._weights(layer, _Context(mesh, None, modules.layer_name(layer), modules))
+
     def _validate(self, layer: Any, ctx: _Context) -> None:
         """Everything that can fail, checked before parallelize_module changes anything."""
         weights = self._weights(layer, ctx)
-        if getattr(layer, "built", False):
-            from tfdist.keras import _variables
-
-            own = kl.weight_names(layer)
+        if ctx.modules.is_built(layer):
+            own = ctx.modules.weights(layer)
             for name, placements in weights.items():
                 if name in own:
                     variable = own[name]
-                    _variables._check_divisible(variable, ctx.weight_layout(placements)(len(variable.shape)))
+                    ctx.modules.check_layout(variable, ctx.weight_layout(placements)(len(variable.shape)))
 
     def _apply(self, layer: Any, ctx: _Context) -> Any:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -149,9 +168,8 @@ def _unsupported(style: str, layer: Any, ctx: _Context, supported: str) -> TypeE
     )
 
 
-def _einsum_parts(layer: Any) -> tuple[str, str, str]:
-    eq = layer.equation.replace(" ", "")
-    lhs, out = eq.split("->")
+def _einsum_parts(kind: LayerKind) -> tuple[str, str, str]:
+    lhs, out = kind.equation.split("->")
     inp, ker = lhs.split(",")
     return inp, ker, out
 
@@ -171,44 +189,41 @@ class ColwiseParallel(ParallelStyle):
 
     def __init__(self, *, input_layouts=None, output_layouts=None, use_local_output: bool = True) -> None:
         # input_layouts says how the input arrives (torch); it is moved to Replicate.
-        self.input_layouts = _one(input_layouts, Replicate())
+        self.input_layouts = _as_placements(input_layouts, Replicate())
         self.desired_input_layouts = (Replicate(),)
-        self.output_layouts = None if output_layouts is None else _one(output_layouts, Shard(-1))
+        self.output_layouts = None if output_layouts is None else _as_placements(output_layouts, Shard(-1))
         self.use_local_output = use_local_output
         _check_no_partial("input_layouts", self.input_layouts)
         _check_no_partial("output_layouts", self.output_layouts or ())
 
     def _plan(self, layer: Any, ctx: _Context) -> tuple[dict[str, list], tuple[Placement, ...]]:
-        keras = kl._keras()
-        if isinstance(layer, keras.layers.EinsumDense):
-            inp, ker, out = _einsum_parts(layer)
+        kind = ctx.modules.layer_kind(layer)
+        if kind.kind == "einsum":
+            inp, ker, out = _einsum_parts(kind)
             free = [c for c in ker if c in out and c not in inp]
             if not free:
                 raise _unsupported("ColwiseParallel", layer, ctx, "EinsumDense with an output feature dim")
             letter = free[0]
             weights = {"kernel": [Shard(ker.index(letter))]}
-            bias_axes = getattr(layer, "bias_axes", None) or ""
-            if bias_axes and letter in bias_axes:
-                weights["bias"] = [Shard(bias_axes.index(letter))]
+            if letter in kind.bias_axes:
+                weights["bias"] = [Shard(kind.bias_axes.index(letter))]
             return weights, (Shard(out.index(letter) - len(out)),)
-        if isinstance(layer, keras.layers.Embedding):
+        if kind.kind == "embedding":
             return {"embeddings": [Shard(1)]}, (Shard(-1),)
-        if isinstance(layer, keras.layers.Dense):
-            return {"kernel": [Shard(1)], "bias": [Shard(0)]}, (Shard(-1),)
+        if kind.kind == "dense":
+            weights = {"kernel": [Shard(1)], "bias": [Shard(0)]}
+            if not kind.use_bias:
+                del weights["bias"]
+            return weights, (Shard(-1),)
         raise _unsupported("ColwiseParallel", layer, ctx, "Dense, EinsumDense, Embedding")
 
     def _weights(self, layer: Any, ctx: _Context) -> dict[str, list[Placement]]:
-        weights = self._plan(layer, ctx)[0]
-        if not getattr(layer, "use_bias", True):
-            weights.pop("bias", None)
-        return weights
+        return self._plan(layer, ctx)[0]
 
     def _apply(self, layer: Any, ctx: _Context) -> Any:
         weights, natural_out = self._plan(layer, ctx)
         for name, placements in weights.items():
-            if name == "bias" and not getattr(layer, "use_bias", True):
-                continue
-            kl.set_weight_layout(layer, name, ctx.weight_layout(placements))
+            ctx.modules.set_weight_layout(layer, name, ctx.weight_layout(placements))
         out_layouts = self.output_layouts or natural_out
 
         def before(args, kwargs):
@@ -217,7 +232,7 @@ class ColwiseParallel(ParallelStyle):
         def after(outputs):
             return ctx.to_layout(outputs, out_layouts, self.use_local_output)
 
-        kl.wrap_call(layer, before, after)
+        ctx.modules.wrap_call(layer, before, after)
         return layer
 
 
@@ -238,8 +253,8 @@ class RowwiseParallel(ParallelStyle):
     def __init__(self, *, input_layouts=None, output_layouts=None, use_local_output: bool = True) -> None:
         # input_layouts says how the input arrives (torch); it is moved to the
         # layer's contracted-dim shard.
-        self.input_layouts = _one(input_layouts, Shard(-1))
-        self.output_layouts = _one(output_layouts, Replicate())
+        self.input_layouts = _as_placements(input_layouts, Shard(-1))
+        self.output_layouts = _as_placements(output_layouts, Replicate())
         self.use_local_output = use_local_output
         _check_no_partial("input_layouts", self.input_layouts)
         _check_no_partial("output_layouts", self.output_layouts)
@@ -254,17 +269,17 @@ class RowwiseParallel(ParallelStyle):
             )
 
     def _plan(self, layer: Any, ctx: _Context) -> tuple[dict[str, list], tuple[Placement, ...]]:
-        keras = kl._keras()
-        if isinstance(layer, keras.layers.EinsumDense):
-            inp, ker, out = _einsum_parts(layer)
+        kind = ctx.modules.layer_kind(layer)
+        if kind.kind == "einsum":
+            inp, ker, out = _einsum_parts(kind)
             contracted = [c for c in ker if c in inp and c not in out]
             if not contracted:
                 raise _unsupported("RowwiseParallel", layer, ctx, "EinsumDense with a contracted dim")
             letter = contracted[0]
             return {"kernel": [Shard(ker.index(letter))]}, (Shard(inp.index(letter) - len(inp)),)
-        if isinstance(layer, keras.layers.Embedding):
+        if kind.kind == "embedding":
             return {"embeddings": [Shard(0)]}, (Replicate(),)
-        if isinstance(layer, keras.layers.Dense):
+        if kind.kind == "dense":
             return {"kernel": [Shard(0)]}, (Shard(-1),)
         raise _unsupported("RowwiseParallel", layer, ctx, "Dense, EinsumDense, Embedding")
 
@@ -274,9 +289,10 @@ class RowwiseParallel(ParallelStyle):
     def _apply(self, layer: Any, ctx: _Context) -> Any:
         weights, in_layouts = self._plan(layer, ctx)
         for name, placements in weights.items():
-            kl.set_weight_layout(layer, name, ctx.weight_layout(placements))
-        if isinstance(layer, kl._keras().layers.Embedding):
-            self._one_hot_lookup(layer, ctx)
+            ctx.modules.set_weight_layout(layer, name, ctx.weight_layout(placements))
+        kind = ctx.modules.layer_kind(layer)
+        if kind.kind == "embedding":
+            self._one_hot_lookup(layer, kind, ctx)
 
         def before(args, kwargs):
             return (ctx.to_layout(args[0], in_layouts),) + tuple(args[1:]), kwargs
@@ -284,19 +300,19 @@ class RowwiseParallel(ParallelStyle):
         def after(outputs):
             return ctx.to_layout(outputs, self.output_layouts, self.use_local_output)
 
-        kl.wrap_call(layer, before, after)
+        ctx.modules.wrap_call(layer, before, after)
         return layer
 
     @staticmethod
-    def _one_hot_lookup(layer: Any, ctx: _Context) -> None:
+    def _one_hot_lookup(layer: Any, kind: LayerKind, ctx: _Context) -> None:
         """A vocabulary-sharded lookup: one-hot rows times the local table rows, summed."""
 
-        def call(inputs, *args, **kwargs):
-            ids = kl.as_tf(inputs)
-            if kl.is_symbolic(ids):
+        def call(original, inputs, *args, **kwargs):
+            ids = as_tf(inputs)
+            if ctx.modules.is_symbolic(ids):
                 return original(inputs, *args, **kwargs)
-            table = tf.convert_to_tensor(layer.embeddings)
-            one_hot = tf.one_hot(tf.cast(ids, tf.int32), layer.input_dim, dtype=table.dtype)
+            table = tf.convert_to_tensor(ctx.modules.weights(layer)["embeddings"])
+            one_hot = tf.one_hot(tf.cast(ids, tf.int32), kind.num_embeddings, dtype=table.dtype)
             rank = one_hot.shape.rank
             one_hot = dtensor.relayout(
                 one_hot, physical_layout(ctx.root, ctx.root_placements([Shard(-1)], rank), rank)
@@ -304,8 +320,7 @@ class RowwiseParallel(ParallelStyle):
             lead = "abcefghijklmnopqrstu"[: rank - 1]  # TF DTensor lays out no '...' einsum
             return tf.einsum(f"{lead}v,vw->{lead}w", one_hot, table)
 
-        original = layer.call
-        layer.call = call
+        ctx.modules.replace_call(layer, call)
 
 
 class SequenceParallel(ParallelStyle):
@@ -321,14 +336,7 @@ class SequenceParallel(ParallelStyle):
         self.use_local_output = use_local_output
 
     def _weights(self, layer: Any, ctx: _Context) -> dict[str, list[Placement]]:
-        keras = kl._keras()
-        kinds = tuple(
-            k for k in (
-                keras.layers.LayerNormalization, getattr(keras.layers, "RMSNormalization", None),
-                keras.layers.Dropout,
-            ) if k is not None
-        )
-        if not isinstance(layer, kinds):
+        if ctx.modules.layer_kind(layer).kind not in ("norm", "dropout"):
             raise _unsupported("SequenceParallel", layer, ctx, "LayerNormalization, RMSNormalization, Dropout")
         return {}  # weights stay replicated
 
@@ -342,7 +350,7 @@ class SequenceParallel(ParallelStyle):
         def after(outputs):
             return ctx.to_layout(outputs, placements, self.use_local_output)
 
-        kl.wrap_call(layer, before, after)
+        ctx.modules.wrap_call(layer, before, after)
         return layer
 
 
@@ -387,13 +395,13 @@ class PrepareModuleInput(ParallelStyle):
             args = list(args)
             for i, desired in enumerate(self.desired_input_layouts):
                 if i < len(args) and desired is not None:
-                    args[i] = ctx.to_layout(args[i], _one(desired, Replicate()), self.use_local_output)
+                    args[i] = ctx.to_layout(args[i], _as_placements(desired, Replicate()), self.use_local_output)
             for name, desired in self.desired_input_kwarg_layouts.items():
                 if name in kwargs and desired is not None:
-                    kwargs[name] = ctx.to_layout(kwargs[name], _one(desired, Replicate()), self.use_local_output)
+                    kwargs[name] = ctx.to_layout(kwargs[name], _as_placements(desired, Replicate()), self.use_local_output)
             return tuple(args), kwargs
 
-        kl.wrap_call(layer, before, None)
+        ctx.modules.wrap_call(layer, before, None)
         return layer
 
 
@@ -416,8 +424,8 @@ class PrepareModuleOutput(ParallelStyle):
             outs = [outputs] if single else list(outputs)
             for i, desired in enumerate(self.desired_output_layouts):
                 if i < len(outs) and desired is not None:
-                    outs[i] = ctx.to_layout(outs[i], _one(desired, Replicate()), self.use_local_output)
+                    outs[i] = ctx.to_layout(outs[i], _as_placements(desired, Replicate()), self.use_local_output)
             return outs[0] if single else type(outputs)(outs)
 
-        kl.wrap_call(layer, None, after)
+        ctx.modules.wrap_call(layer, None, after)
         return layer

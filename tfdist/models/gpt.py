@@ -1,10 +1,8 @@
-"""Reference models in plain Keras 3, with ready tensor-parallel plans.
+"""GPT: a small decoder in stock Keras 3 layers, its TP plan and the TP x DP recipe.
 
-``MLP`` and ``GPT`` (a small decoder: token + position embeddings, N blocks
-of causal self-attention and MLP with pre-layer-norm, a final norm and an LM
-head) use only stock Keras layers, so the plans below are what a user
-would write for their own model.  ``parallelize_gpt`` is the recipe,
-torchtitan-style: tensor parallel on ``mesh["tp"]``, batches on ``"dp"``.
+Token + position embeddings, N blocks of causal self-attention and MLP with
+pre-layer-norm, a final norm and an LM head.  ``parallelize_gpt`` is the
+recipe, torchtitan-style: tensor parallel on ``mesh["tp"]``, batches on "dp".
 """
 
 from __future__ import annotations
@@ -14,6 +12,7 @@ from typing import Any
 import keras
 
 from tfdist.device_mesh import DeviceMesh
+from tfdist.models.mlp import MLP
 from tfdist.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -23,24 +22,7 @@ from tfdist.tensor.parallel import (
 )
 from tfdist.tensor.placement_types import Replicate, Shard
 
-__all__ = ["MLP", "GPT", "mlp_tp_plan", "gpt_tp_plan", "parallelize_gpt"]
-
-
-class MLP(keras.Model):
-    """``up`` (Dense, gelu) then ``down`` (Dense)."""
-
-    def __init__(self, dim: int, hidden: int, out: int | None = None, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.up = keras.layers.Dense(hidden, activation="gelu")
-        self.down = keras.layers.Dense(out or dim)
-
-    def call(self, x):
-        return self.down(self.up(x))
-
-
-def mlp_tp_plan(prefix: str = "") -> dict[str, ParallelStyle]:
-    """Megatron MLP: column-parallel up, row-parallel down (one all-reduce)."""
-    return {f"{prefix}up": ColwiseParallel(), f"{prefix}down": RowwiseParallel()}
+__all__ = ["GPT", "gpt_tp_plan", "parallelize_gpt"]
 
 
 class PositionEmbedding(keras.layers.Layer):

@@ -1,0 +1,216 @@
+"""The package's shape: imports run one way, and every change to Keras/TF internals is on record."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import threading
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "tfdist"
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def _imports(path: pathlib.Path, name: str) -> list[tuple[str, int, bool]]:
+    """(imported module, line, at module level) for every import statement of a file."""
+    tree = ast.parse(path.read_text())
+    top = {id(n) for n in tree.body}
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(a.name, node.lineno, id(node) in top) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            out.append((base, node.lineno, id(node) in top))
+            out += [(f"{base}.{a.name}", node.lineno, id(node) in top) for a in node.names]
+    return out
+
+
+MODULES = _modules()
+
+
+def test_tensor_never_imports_keras():
+    bad = [
+        f"{name}:{line} imports {target}"
+        for name, path in MODULES.items() if name.startswith("tfdist.tensor")
+        for target, line, _ in _imports(path, name)
+        if target == "keras" or target.startswith(("keras.", "tfdist.keras", "tfdist.models"))
+    ]
+    assert not bad, bad
+
+
+def test_only_tfdist_keras_reaches_keras_internals():
+    bad = [
+        f"{name}:{line} imports {target}"
+        for name, path in MODULES.items() if not name.startswith("tfdist.keras")
+        for target, line, _ in _imports(path, name)
+        if target.startswith("keras.src")
+    ]
+    assert not bad, bad
+
+
+def test_no_import_cycles_between_tfdist_modules():
+    graph = {
+        name: {t for t, _, _ in _imports(path, name) if t in MODULES and t != name}
+        for name, path in MODULES.items()
+    }
+    # a package's __init__ re-exporting its children is not a dependency of the children on it
+    for name in graph:
+        graph[name] = {t for t in graph[name] if not name.startswith(t + ".")}
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycles.append(stack[stack.index(nxt):] + [nxt] if nxt in stack else [node, nxt])
+            elif nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert not cycles, cycles
+
+
+def test_function_local_imports_of_tfdist_say_why():
+    """Local imports between tfdist modules only keep imports light, and a ``# lazy`` comment says so."""
+    bad = []
+    for name, path in MODULES.items():
+        text = path.read_text()
+        lines = text.split("\n")
+        functions = [n for n in ast.walk(ast.parse(text)) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        for target, line, top in _imports(path, name):
+            if top or not target.startswith("tfdist"):
+                continue
+            start = max((f.lineno for f in functions if f.lineno <= line <= f.end_lineno), default=line)
+            if not any("# lazy" in lines[i - 1] for i in range(start, line + 1)):
+                bad.append(f"{name}:{line} {lines[line - 1].strip()}")
+    assert not bad, sorted(set(bad))
+
+
+def test_import_tfdist_tensor_parallel_does_not_import_keras(tmp_path):
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, tfdist.tensor.parallel, tfdist.tensor.experimental, tfdist.tensor.debug\n"
+        "print(sorted(m for m in sys.modules if m.startswith('tfdist.keras')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+# -- the patch table ------------------------------------------------------------------
+def test_every_patch_fits_this_keras():
+    import tfdist.keras  # noqa: F401  (installs the process-wide rows)
+    from tfdist import _patches
+
+    problems = [p for p in (_patches.verify(row) for row in _patches.PATCHES) if p]
+    assert not problems, problems
+
+
+def test_process_patches_are_installed_and_with_patches_are_not():
+    import inspect
+    import importlib
+
+    import tfdist.keras  # noqa: F401
+    from tfdist import _patches
+
+    for row in _patches.PATCHES:
+        holder = importlib.import_module(row.module)
+        if row.owner:
+            holder = getattr(holder, row.owner)
+            current = inspect.getattr_static(holder, row.attribute)
+        else:
+            current = getattr(holder, row.attribute)
+        if row.scope == "process":
+            assert current is not _patches.original(row.name), row.name
+        else:
+            assert current is _patches.original(row.name), f"{row.name} is changed outside its with block"
+
+
+def test_patching_an_unlisted_attribute_is_refused():
+    from tfdist import _patches
+
+    with pytest.raises(KeyError, match="not in tfdist._patches.PATCHES"):
+        _patches.install("keras.src.layers.layer:Layer.call", lambda *a: None)
+
+
+def test_untested_keras_version_fails_clearly(monkeypatch):
+    import keras
+
+    from tfdist import _patches
+
+    monkeypatch.setattr(keras, "__version__", "3.99.0")
+    monkeypatch.delenv("TFDIST_ALLOW_UNTESTED_VERSIONS", raising=False)
+    with pytest.raises(ImportError, match=r"keras 3\.99\.0 is installed.*TFDIST_ALLOW_UNTESTED_VERSIONS"):
+        _patches.check_versions()
+    monkeypatch.setenv("TFDIST_ALLOW_UNTESTED_VERSIONS", "1")
+    _patches.check_versions()
+
+
+def test_a_renamed_internal_is_reported(monkeypatch):
+    from tfdist import _patches
+
+    row = _patches.Patch("keras.src.layers.layer", "Layer", "no_such_method", ("self",), "process", "test")
+    assert "no longer exists" in _patches.verify(row)
+    row = _patches.Patch("keras.src.layers.layer", "Layer", "add_weight", ("self", "shape"), "process", "test")
+    assert "parameters are" in _patches.verify(row)
+
+
+def _cross_entropy_ops() -> set[str]:
+    """Op types of a freshly traced sparse cross-entropy."""
+    fn = tf.function(lambda lab, lg: tf.nn.sparse_softmax_cross_entropy_with_logits(labels=lab, logits=lg))
+    graph = fn.get_concrete_function(tf.TensorSpec([2], tf.int32), tf.TensorSpec([2, 3])).graph
+    return {op.type for op in graph.get_operations()}
+
+
+def test_loss_parallel_changes_only_the_entering_thread():
+    """Inside the block the sharded formula (one-hot product) is traced; another thread
+    meanwhile traces TF's fused kernel; after the block TF's function is back."""
+    from tfdist.tensor.parallel import loss_parallel
+
+    original = tf.nn.sparse_softmax_cross_entropy_with_logits
+    inside_entered, other_done = threading.Event(), threading.Event()
+    seen: dict[str, set[str]] = {}
+
+    def other():
+        inside_entered.wait(30)
+        try:
+            seen["other"] = _cross_entropy_ops()
+        finally:
+            other_done.set()
+
+    worker = threading.Thread(target=other)
+    worker.start()
+    with loss_parallel():
+        inside_entered.set()
+        other_done.wait(30)
+        seen["inside"] = _cross_entropy_ops()
+        logits = tf.constant([[1.0, 2.0, 3.0]])
+        value = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=tf.constant([1]), logits=logits)
+    worker.join()
+    assert "OneHot" in seen["inside"] and "SparseSoftmaxCrossEntropyWithLogits" not in seen["inside"]
+    assert "SparseSoftmaxCrossEntropyWithLogits" in seen["other"]
+    want = np.log(np.exp([1.0, 2.0, 3.0]).sum()) - 2.0  # -log softmax(logits)[1], by hand
+    np.testing.assert_allclose(value.numpy(), [want], rtol=1e-6)
+    assert tf.nn.sparse_softmax_cross_entropy_with_logits is original
+    assert "SparseSoftmaxCrossEntropyWithLogits" in _cross_entropy_ops()

@@ -1,0 +1,254 @@
+"""Every change tfdist makes to Keras or TensorFlow internals, in one table.
+
+Keras 3 leaves its TensorFlow ``distribution_lib`` empty and its TF variables,
+optimizer and trainer know nothing of DTensor; tfdist fills and adjusts them.
+Each such change is a row of :data:`PATCHES`: what is changed, why, the
+version it was written against, and the parameters the original must have.
+Nothing is patched except through :func:`install` (process-wide, at
+``import tfdist.keras``) or :func:`scoped` (only inside a ``with`` block and
+only for the thread that entered it).
+
+Before anything is patched, :func:`check_versions` refuses a Keras or
+TensorFlow minor version that tfdist was not tested with (set
+``TFDIST_ALLOW_UNTESTED_VERSIONS=1`` to try anyway), and :func:`verify`
+fails loudly if an internal was renamed or its signature changed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import inspect
+import os
+import threading
+from typing import Any, Callable, Iterator
+
+__all__ = ["Patch", "PATCHES", "TESTED", "check_versions", "verify", "install", "scoped", "original"]
+
+# package -> the minor versions tfdist's patches were written and tested against
+TESTED = {"keras": ("3.15",), "tensorflow": ("2.21",)}
+
+_ABSENT = "absent"  # Keras' TF backend lacks the function; Keras' neutral code calls it
+
+
+@dataclasses.dataclass(frozen=True)
+class Patch:
+    """One changed attribute of a third-party module or class.
+
+    ``params`` are the parameter names the original must have (``"absent"``:
+    the attribute must not exist before tfdist adds it).  ``scope`` is
+    ``"process"`` (installed at import) or ``"with"`` (inside a context
+    manager only, per thread).
+    """
+
+    module: str
+    owner: str | None
+    attribute: str
+    params: tuple[str, ...] | str
+    scope: str
+    why: str
+    since: str = "keras 3.15, tensorflow 2.21"
+
+    @property
+    def name(self) -> str:
+        owner = f"{self.owner}." if self.owner else ""
+        return f"{self.module}:{owner}{self.attribute}"
+
+
+_DL = "keras.src.backend.tensorflow.distribution_lib"
+_CORE = "keras.src.backend.tensorflow.core"
+_OPT = "keras.src.backend.tensorflow.optimizer"
+_FILL = "fills Keras' empty TF distribution_lib, which keras.distribution calls"
+_READ = "reads after writes in one traced step see the written value (TF DTensor stale read on 2-D meshes)"
+
+PATCHES: tuple[Patch, ...] = (
+    Patch(_DL, None, "_to_backend_mesh", ("device_mesh",), "process", "Keras DeviceMesh -> dtensor.Mesh"),
+    Patch(_DL, None, "_to_backend_layout", ("tensor_layout",), "process", "Keras TensorLayout -> dtensor.Layout"),
+    Patch(_DL, None, "distribute_value", ("value", "tensor_layout"), "process", "lays a value out with DTensor"),
+    Patch(_DL, None, "distribute_tensor", _ABSENT, "process", _FILL),
+    Patch(_DL, None, "distribute_variable", _ABSENT, "process", _FILL),
+    Patch(_DL, None, "num_processes", _ABSENT, "process", _FILL),
+    Patch(_DL, None, "process_id", _ABSENT, "process", _FILL),
+    Patch(_DL, None, "get_device_count", _ABSENT, "process", _FILL),
+    Patch(_CORE, "Variable", "_initialize", ("self", "value"), "process",
+          "a variable with a layout is created as a dtensor.DVariable"),
+    Patch(_CORE, "Variable", "_direct_assign", ("self", "value"), "process", _READ),
+    Patch(_CORE, "Variable", "value", ("self",), "process", _READ),
+    Patch(_CORE, "Variable", "handle", ("self",), "process", "the DVariable's handle"),
+    Patch(_CORE, "Variable", "numpy", ("self",), "process", "gathers a sharded variable to one array"),
+    Patch(_CORE, "Variable", "__array__", ("self", "dtype"), "process", "gathers a sharded variable to one array"),
+    Patch("keras.src.layers.layer", "Layer", "add_weight",
+          ("self", "args", "shape", "initializer", "dtype", "trainable", "autocast", "regularizer",
+           "constraint", "aggregation", "overwrite_with_gradient", "name"), "process",
+          "lets variable creation see its layer, so a style's layout reaches weights created later"),
+    Patch(_OPT, "TFOptimizer", "assign", ("self", "variable", "value"), "process", _READ),
+    Patch(_OPT, "TFOptimizer", "assign_add", ("self", "variable", "value"), "process", _READ),
+    Patch(_OPT, "TFOptimizer", "assign_sub", ("self", "variable", "value"), "process", _READ),
+    Patch(_OPT, "TFOptimizer", "add_variable_from_reference", ("self", "reference_variable", "name", "initializer"),
+          "process", "optimizer slots take their parameter's layout"),
+    Patch(_OPT, "TFOptimizer", "_backend_update_step", ("self", "grads", "trainable_variables", "learning_rate"),
+          "process", "IndexedSlices gradients made dense (DTensor cannot lay out ResourceScatterAdd)"),
+    Patch("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer", "_make_function", ("self", "step_function"),
+          "process", "batches fed as DTensors from an eager iterator (TF DTensor cannot lay out IteratorGetNext)"),
+    Patch("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer", "make_predict_function", ("self", "force"),
+          "process", "predict batches fed as DTensors, outputs gathered"),
+    Patch("keras.src.backend.tensorflow.nn", None, "sparse_categorical_crossentropy",
+          ("target", "output", "from_logits", "axis"), "with",
+          "loss_parallel: cross-entropy on class-sharded logits without a gather"),
+    Patch("tensorflow.nn", None, "sparse_softmax_cross_entropy_with_logits", ("labels", "logits", "name"), "with",
+          "loss_parallel: cross-entropy on class-sharded logits without a gather"),
+    Patch("keras.src.layers.attention.multi_head_attention", "MultiHeadAttention", "_compute_attention",
+          ("self", "query", "key", "value", "attention_mask", "training", "return_attention_scores",
+           "use_causal_mask"), "with", "context_parallel: queries sequence-sharded, keys/values gathered"),
+)
+
+_BY_NAME = {p.name: p for p in PATCHES}
+_MISSING = object()
+_ORIGINALS: dict[str, Any] = {}
+_lock = threading.Lock()
+
+
+def _minor(version: str) -> str:
+    return ".".join(version.split(".")[:2])
+
+
+def check_versions() -> None:
+    """Raises ImportError on a Keras/TensorFlow minor version tfdist was not tested with."""
+    if os.environ.get("TFDIST_ALLOW_UNTESTED_VERSIONS") == "1":
+        return
+    for package, tested in TESTED.items():
+        version = importlib.import_module(package).__version__
+        if _minor(version) not in tested:
+            raise ImportError(
+                f"tfdist.keras changes {package} internals written against {package} "
+                f"{', '.join(tested)}; {package} {version} is installed. Install a tested "
+                f"version (pip install -e . pins them), or set TFDIST_ALLOW_UNTESTED_VERSIONS=1 "
+                "to try anyway (tfdist._patches.verify() then lists what no longer fits)."
+            )
+
+
+def _holder(patch: Patch) -> Any:
+    obj = importlib.import_module(patch.module)
+    return getattr(obj, patch.owner) if patch.owner else obj
+
+
+def _params(value: Any) -> tuple[str, ...] | None:
+    if isinstance(value, property):
+        value = value.fget
+    try:
+        return tuple(inspect.signature(value).parameters)
+    except (TypeError, ValueError):
+        return None
+
+
+def _current(patch: Patch) -> Any:
+    holder = _holder(patch)
+    if patch.owner:
+        return inspect.getattr_static(holder, patch.attribute, _MISSING)
+    return getattr(holder, patch.attribute, _MISSING)
+
+
+def original(name: str) -> Any:
+    """The attribute as it was before tfdist changed it (a sentinel if it did not exist)."""
+    if name in _ORIGINALS:
+        return _ORIGINALS[name]
+    return _current(_BY_NAME[name])
+
+
+def verify(patch: Patch) -> str | None:
+    """What no longer fits in this Keras/TF for ``patch``, or None."""
+    try:
+        value = _ORIGINALS[patch.name] if patch.name in _ORIGINALS else _current(patch)
+    except (ImportError, AttributeError) as e:
+        return f"{patch.name}: the owner is gone ({e})"
+    if patch.params == _ABSENT:
+        return None if value is _MISSING else f"{patch.name}: now exists in Keras; tfdist would replace it"
+    if value is _MISSING:
+        return f"{patch.name}: no longer exists"
+    params = _params(value)
+    if params != patch.params:
+        return f"{patch.name}: parameters are {params}, tfdist expects {patch.params}"
+    return None
+
+
+def _checked(name: str) -> Patch:
+    patch = _BY_NAME.get(name)
+    if patch is None:
+        raise KeyError(f"{name!r} is not in tfdist._patches.PATCHES; add a row before patching it")
+    problem = verify(patch)
+    if problem is not None:
+        raise ImportError(
+            f"tfdist cannot adapt this Keras/TensorFlow: {problem}. Install a tested version "
+            f"({TESTED})."
+        )
+    return patch
+
+
+def install(name: str, replacement: Any) -> Any:
+    """Replaces a process-wide attribute listed in PATCHES; returns the original."""
+    patch = _checked(name)
+    if patch.scope != "process":
+        raise ValueError(f"{name} is a with-block patch; use scoped()")
+    with _lock:
+        if name not in _ORIGINALS:
+            _ORIGINALS[name] = _current(patch)
+        setattr(_holder(patch), patch.attribute, replacement)
+    value = _ORIGINALS[name]
+    return None if value is _MISSING else value
+
+
+class _Scoped:
+    """A with-block patch: installed while any thread is inside, active only for those threads."""
+
+    def __init__(self, patch: Patch) -> None:
+        self.patch = patch
+        self.users = 0
+        self.local = threading.local()
+        self.original: Any = None
+
+    def dispatch(self, *args: Any, **kwargs: Any) -> Any:
+        stack = getattr(self.local, "stack", None)
+        if stack:
+            return stack[-1](self.original, *args, **kwargs)
+        return self.original(*args, **kwargs)
+
+
+_SCOPED: dict[str, _Scoped] = {}
+
+
+@contextlib.contextmanager
+def scoped(name: str, replacement: Callable[..., Any]) -> Iterator[None]:
+    """Within the block, this thread's calls go to ``replacement(original, *args, **kwargs)``.
+
+    The attribute is swapped for a dispatcher while at least one thread is
+    inside such a block and restored when the last one leaves; other threads
+    meanwhile get the original behaviour.
+    """
+    patch = _checked(name)
+    if patch.scope != "with":
+        raise ValueError(f"{name} is a process-wide patch; use install()")
+    with _lock:
+        state = _SCOPED.get(name)
+        if state is None:
+            state = _SCOPED[name] = _Scoped(patch)
+        if state.users == 0:
+            state.original = _current(patch)
+            dispatch = state.dispatch
+            if patch.owner:  # a method: keep ``self`` by installing a plain function
+                def dispatch(*args, _state=state, **kwargs):
+                    return _state.dispatch(*args, **kwargs)
+            setattr(_holder(patch), patch.attribute, dispatch)
+        state.users += 1
+    stack = getattr(state.local, "stack", None)
+    if stack is None:
+        stack = state.local.stack = []
+    stack.append(replacement)
+    try:
+        yield
+    finally:
+        stack.pop()
+        with _lock:
+            state.users -= 1
+            if state.users == 0:
+                setattr(_holder(patch), patch.attribute, state.original)

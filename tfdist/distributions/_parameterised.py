@@ -1,0 +1,117 @@
+"""Factories for families with one or two parameters, and the probs/logits base."""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from tfdist.distributions import constraints
+from tfdist.distributions._tfp_backed import _TFPBacked, tfd
+from tfdist.distributions.distribution import Distribution
+from tfdist.distributions.exp_family import ExponentialFamily
+from tfdist.distributions.utils import broadcast_all
+
+__all__ = ["_two", "_positive_pair", "_one", "_OneParam", "_ProbsLogits", "_Support"]
+
+
+def _two(cls_name, tfp_name, first, second, support, has_rsample=True, mapping=None, exp_family=False):
+    """A distribution with two real parameters ``first`` and ``second``."""
+    base = ExponentialFamily if exp_family else _TFPBacked
+
+    def __init__(self, *args, validate_args=None, **kwargs):
+        names = (first, second)
+        values = dict(zip(names, args))
+        values.update(kwargs)
+        a, b = broadcast_all(values[first], values[second])
+        setattr(self, first, a)
+        setattr(self, second, b)
+        Distribution.__init__(self, a.shape, (), validate_args)
+
+    def _tfp(self):
+        kwargs = (mapping or (lambda a, b: {first: a, second: b}))(getattr(self, first), getattr(self, second))
+        return getattr(tfd(), tfp_name)(**kwargs)
+
+    return type(cls_name, (base,), {
+        "__init__": __init__, "_tfp": _tfp, "_params": (first, second), "support": support,
+        "has_rsample": has_rsample,
+        "arg_constraints": {first: constraints.real, second: constraints.positive},
+        "__doc__": f"{cls_name}({first}, {second}) with torch's parameterisation.",
+    })
+
+
+def _positive_pair(cls_name, tfp_name, first, second, support, mapping, has_rsample=True, exp_family=False):
+    cls = _two(cls_name, tfp_name, first, second, support, has_rsample, mapping, exp_family)
+    cls.arg_constraints = {first: constraints.positive, second: constraints.positive}
+    return cls
+
+
+_Support = constraints.dependent_property  # a support computed from the parameters
+
+
+class _OneParam(_TFPBacked):
+    _param: str = ""
+    _constraint = constraints.positive
+
+    def __init__(self, *args, validate_args=None, **kwargs):
+        if len(args) + len(kwargs) != 1 or (kwargs and self._param not in kwargs):
+            raise TypeError(
+                f"{type(self).__name__} takes one parameter, {self._param!r}. Received: "
+                f"args={args!r}, kwargs={sorted(kwargs)!r}"
+            )
+        (v,) = broadcast_all(args[0] if args else kwargs[self._param])
+        setattr(self, self._param, v)
+        super().__init__(v.shape, (), validate_args)
+
+    @property
+    def _params(self):
+        return (self._param,)
+
+
+def _one(cls_name, param, make, support, *, constraint=constraints.positive, has_rsample=True,
+         exp_family=False):
+    """A distribution with one parameter ``param``; ``make(value)`` builds the TFP distribution."""
+    bases = (_OneParam, ExponentialFamily) if exp_family else (_OneParam,)
+    return type(cls_name, bases, {
+        "_param": param, "arg_constraints": {param: constraint}, "support": support,
+        "has_rsample": has_rsample, "_tfp": lambda self: make(getattr(self, param)),
+        "__doc__": f"{cls_name}({param}) with torch's parameterisation.",
+    })
+
+
+class _ProbsLogits(_TFPBacked):
+    """Shared by distributions given exactly one of ``probs`` or ``logits``."""
+
+    _event_ndims_of_param = 0
+
+    def _set_probs_logits(self, probs, logits):
+        if (probs is None) == (logits is None):
+            raise ValueError("Either `probs` or `logits` must be specified, but not both.")
+        if probs is not None:
+            (self._probs_value,) = broadcast_all(probs)
+            self._given = "probs"
+        else:
+            (self._logits_value,) = broadcast_all(logits)
+            self._given = "logits"
+
+    @property
+    def _params(self):
+        return (self._given,)
+
+    @property
+    def _dtype(self):
+        return (self._probs_value if self._given == "probs" else self._logits_value).dtype
+
+
+    def _extra_kwargs(self):
+        return {}
+
+    # binary events; Categorical overrides both
+    @property
+    def probs(self):
+        return self._probs_value if self._given == "probs" else tf.sigmoid(self._logits_value)
+
+    @property
+    def logits(self):
+        if self._given == "logits":
+            return self._logits_value
+        p = tf.clip_by_value(self._probs_value, 1e-7, 1 - 1e-7)
+        return tf.math.log(p) - tf.math.log1p(-p)

@@ -1,0 +1,127 @@
+"""The base of distributions computed by TensorFlow Probability (imported lazily)."""
+
+from __future__ import annotations
+
+import functools
+
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from tfdist.device_mesh import DeviceMesh
+from tfdist.distributions.distribution import Distribution
+from tfdist.distributions.utils import as_shape
+from tfdist.tensor import _random
+from tfdist.tensor._factory import _random_seed
+from tfdist.tensor._layout import DTensorSpec, placements_from_tf_layout
+from tfdist.tensor.placement_types import Shard
+
+__all__ = ["_TFPBacked", "tfd"]
+
+
+@functools.lru_cache(maxsize=None)
+def tfd():
+    import tensorflow_probability as tfp
+
+    return tfp.distributions
+
+
+class _TFPBacked(Distribution):
+    """Delegates computation to ``self._tfp()``; subclasses map the parameters."""
+
+    _params: tuple[str, ...] = ()
+    _param_event_ndims: dict[str, int] = {}
+
+    def _tfp(self):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def rsample(self, sample_shape=()):
+        if not self.has_rsample:
+            raise NotImplementedError
+        layout = self._dtensor_layout()
+        if layout is not None:
+            return self._sample_sharded(sample_shape, layout)
+        return self._tfp().sample(as_shape(sample_shape))
+
+    def _sample(self, sample_shape):
+        layout = self._dtensor_layout()
+        if layout is not None:
+            return tf.stop_gradient(self._sample_sharded(sample_shape, layout))
+        return tf.stop_gradient(self._tfp().sample(as_shape(sample_shape)))
+
+    # -- DTensor parameters ---------------------------------------------------------
+    def _dtensor_layout(self):
+        """The layout of a parameter that is a TF DTensor (eager), else None."""
+        if not tf.executing_eagerly():
+            return None
+        for name in self._params:
+            value = getattr(self, name)
+            if isinstance(value, tf.Tensor) and dtensor.is_dtensor(value):
+                return dtensor.fetch_layout(value)
+        return None
+
+    def _sample_sharded(self, sample_shape, layout):
+        """Samples that stay sharded like the parameters: icdf of per-shard uniforms.
+
+        TF DTensor has no layout rule for random ops, so tfdist draws the
+        uniforms with its sharding-invariant per-shard generator
+        (tfdist.tensor._random) and maps them through the inverse CDF.
+        """
+        sample_shape = as_shape(sample_shape)
+        shape = sample_shape.concatenate(self.batch_shape).concatenate(self.event_shape)
+        lead = len(sample_shape) + len(self.batch_shape) - len(layout.sharding_specs)
+        placements = tuple(
+            Shard(p.dim + lead) if isinstance(p, Shard) else p for p in placements_from_tf_layout(layout)
+        )
+        spec = DTensorSpec(DeviceMesh.from_tf(layout.mesh), placements, tuple(shape.as_list()))
+        bits = _random.uniform_bits(spec, _random_seed())
+        u = _random._unit(bits, self._dtype, open_low=True)
+        try:
+            return self.icdf(u)
+        except NotImplementedError as err:
+            raise NotImplementedError(
+                f"sampling {type(self).__name__} with DTensor parameters needs its icdf, which TFP "
+                "does not provide; TF DTensor has no layout rule for random ops."
+            ) from err
+
+    def log_prob(self, value):
+        self._validate_sample(value)
+        return self._tfp().log_prob(tf.cast(value, self._dtype))
+
+    def cdf(self, value):
+        self._validate_sample(value)
+        return self._tfp().cdf(tf.cast(value, self._dtype))
+
+    def icdf(self, value):
+        return self._tfp().quantile(tf.cast(value, self._dtype))
+
+    def entropy(self):
+        return self._tfp().entropy()
+
+    @property
+    def mean(self):
+        return self._tfp().mean()
+
+    @property
+    def mode(self):
+        return self._tfp().mode()
+
+    @property
+    def variance(self):
+        return self._tfp().variance()
+
+    @property
+    def _dtype(self):
+        return getattr(self, self._params[0]).dtype
+
+    def expand(self, batch_shape, _instance=None):
+        """The same distribution with its parameters broadcast to ``batch_shape``."""
+        batch_shape = as_shape(batch_shape)
+        kwargs = {}
+        for name in self._params:
+            value = getattr(self, name)
+            event = value.shape[value.shape.rank - self._param_event_ndims.get(name, 0):]
+            kwargs[name] = tf.broadcast_to(value, batch_shape.concatenate(event))
+        return type(self)(**kwargs, **self._extra_kwargs())
+
+    def _extra_kwargs(self) -> dict:
+        return {}

@@ -1,0 +1,60 @@
+"""Categorical with torch's parameterisation (torch.distributions.categorical)."""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from tfdist.distributions import constraints
+from tfdist.distributions._parameterised import _ProbsLogits
+from tfdist.distributions._tfp_backed import tfd
+
+__all__ = ["Categorical"]
+
+
+class Categorical(_ProbsLogits):
+    """Categorical(probs=None, logits=None) over ``{0, ..., K-1}`` (the last dim)."""
+
+    arg_constraints = {"probs": constraints.simplex, "logits": constraints.real_vector}
+    has_enumerate_support = True
+    _param_event_ndims = {"probs": 1, "logits": 1}
+
+    def __init__(self, probs=None, logits=None, validate_args=None):
+        self._set_probs_logits(probs, logits)
+        if self._given == "probs":
+            self._probs_value = self._probs_value / tf.reduce_sum(self._probs_value, -1, keepdims=True)
+        else:
+            self._logits_value = self._logits_value - tf.reduce_logsumexp(self._logits_value, -1, keepdims=True)
+        param = self._probs_value if self._given == "probs" else self._logits_value
+        self._num_events = param.shape[-1]
+        super().__init__(param.shape[:-1], (), validate_args)
+
+    @property
+    def support(self):
+        return constraints.integer_interval(0, self._num_events - 1)
+
+    @property
+    def probs(self):
+        return self._probs_value if self._given == "probs" else tf.nn.softmax(self._logits_value)
+
+    @property
+    def logits(self):
+        return self._logits_value if self._given == "logits" else tf.math.log(self._probs_value)
+
+    def _tfp(self):
+        return tfd().Categorical(logits=self.logits, dtype=tf.int64)
+
+    def log_prob(self, value):
+        self._validate_sample(value)
+        return self._tfp().log_prob(tf.cast(value, tf.int64))
+
+    def enumerate_support(self, expand=True):
+        values = tf.reshape(tf.range(self._num_events, dtype=tf.int64), [-1] + [1] * len(self.batch_shape))
+        return tf.broadcast_to(values, [self._num_events] + self.batch_shape.as_list()) if expand else values
+
+    @property
+    def mean(self):
+        return tf.fill(self.batch_shape, tf.constant(float("nan"), self.probs.dtype))
+
+    @property
+    def variance(self):
+        return tf.fill(self.batch_shape, tf.constant(float("nan"), self.probs.dtype))

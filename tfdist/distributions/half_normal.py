@@ -1,0 +1,12 @@
+"""HalfNormal with torch's parameterisation (torch.distributions.half_normal)."""
+
+from __future__ import annotations
+
+from tfdist.distributions import constraints
+from tfdist.distributions._parameterised import _one
+from tfdist.distributions._tfp_backed import tfd
+
+__all__ = ["HalfNormal"]
+
+
+HalfNormal = _one("HalfNormal", "scale", lambda s: tfd().HalfNormal(s), constraints.nonnegative)

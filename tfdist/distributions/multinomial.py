@@ -1,0 +1,55 @@
+"""Multinomial with torch's parameterisation (torch.distributions.multinomial)."""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from tfdist.distributions import constraints
+from tfdist.distributions._tfp_backed import tfd
+from tfdist.distributions.categorical import Categorical
+from tfdist.distributions.distribution import Distribution
+from tfdist.distributions.utils import as_shape
+
+__all__ = ["Multinomial"]
+
+
+class Multinomial(Distribution):
+    """Multinomial(total_count=1, probs|logits): counts over K categories."""
+
+    arg_constraints = {"probs": constraints.simplex, "logits": constraints.real_vector}
+
+    def __init__(self, total_count=1, probs=None, logits=None, validate_args=None):
+        if not isinstance(total_count, int):
+            raise NotImplementedError("inhomogeneous total_count is not supported")
+        self.total_count = total_count
+        self._categorical = Categorical(probs=probs, logits=logits, validate_args=validate_args)
+        super().__init__(self._categorical.batch_shape, (self._categorical._num_events,), validate_args)
+
+    @property
+    def support(self):
+        return constraints.independent(constraints.integer_interval(0, self.total_count), 1)
+
+    @property
+    def probs(self):
+        return self._categorical.probs
+
+    def _tfp(self):
+        return tfd().Multinomial(total_count=float(self.total_count), logits=self._categorical.logits)
+
+    def sample(self, sample_shape=()):
+        return self._tfp().sample(as_shape(sample_shape))
+
+    def log_prob(self, value):
+        self._validate_sample(value)
+        return self._tfp().log_prob(tf.cast(value, self.probs.dtype))
+
+    def expand(self, batch_shape, _instance=None):
+        return Multinomial(self.total_count, logits=self._categorical.expand(batch_shape).logits)
+
+    @property
+    def mean(self):
+        return self.total_count * self.probs
+
+    @property
+    def variance(self):
+        return self.total_count * self.probs * (1 - self.probs)

@@ -1,0 +1,214 @@
+"""Keras 3 layers as torch modules: tfdist.tensor's ModuleBackend for Keras.
+
+FQNs follow torch: attribute names joined by dots (``blocks.0.mlp.up``); in
+a Sequential or functional model a child is named by its layer name; the
+projections of a ``MultiHeadAttention`` are ``query``, ``key``, ``value``
+and ``output``.  Hooks are per instance (``layer.call``/``layer.build`` of
+that one layer), never on a Keras class.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+from typing import Any, Callable, Iterator
+
+import keras
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from tfdist import _patches
+from tfdist.device_mesh import DeviceMesh
+from tfdist.keras import _variables
+from tfdist.keras._backend import tfdist_mesh
+from tfdist.keras._distribution import MeshDistribution
+from tfdist.tensor._modules import LayerKind, Pending, register_module_backend
+
+__all__ = ["KerasModules"]
+
+_MHA_CHILDREN = {"query": "_query_dense", "key": "_key_dense", "value": "_value_dense", "output": "_output_dense"}
+_DEFERRED: "weakref.WeakKeyDictionary[Any, list[Callable[[], None]]]" = weakref.WeakKeyDictionary()
+
+
+def _children(layer: Any) -> list[tuple[str, Any]]:
+    if isinstance(layer, keras.layers.MultiHeadAttention):
+        if not layer.built:
+            return [(k, Pending(layer, v)) for k, v in _MHA_CHILDREN.items()]
+        return [(k, getattr(layer, v)) for k, v in _MHA_CHILDREN.items() if getattr(layer, v, None) is not None]
+    if isinstance(layer, keras.Sequential) or getattr(layer, "_is_graph_network", False) or (
+        isinstance(layer, keras.Model) and type(layer).__name__ == "Functional"
+    ):
+        return [(child.name, child) for child in layer.layers]
+    out = []
+    for name, value in vars(layer).items():
+        if name.startswith("_"):
+            continue
+        if isinstance(value, keras.layers.Layer):
+            out.append((name, value))
+        elif isinstance(value, (list, tuple)):
+            out += [(f"{name}.{i}", v) for i, v in enumerate(value) if isinstance(v, keras.layers.Layer)]
+        elif isinstance(value, dict):
+            out += [(f"{name}.{k}", v) for k, v in value.items() if isinstance(v, keras.layers.Layer)]
+    return out
+
+
+_NORMS = tuple(
+    k for k in (keras.layers.LayerNormalization, getattr(keras.layers, "RMSNormalization", None)) if k is not None
+)
+
+
+class KerasModules:
+    """The ModuleBackend for Keras 3 layers and models."""
+
+    name = "keras"
+
+    def named_layers(self, module: Any) -> Iterator[tuple[str, Any]]:
+        seen: set[int] = set()
+
+        def visit(prefix: str, layer: Any):
+            if id(layer) in seen:
+                return
+            seen.add(id(layer))
+            yield prefix, layer
+            if isinstance(layer, Pending):
+                return
+            for name, child in _children(layer):
+                yield from visit(f"{prefix}.{name}" if prefix else name, child)
+
+        yield from visit("", module)
+
+    def layer_name(self, layer: Any) -> str:
+        return layer.name
+
+    def is_built(self, layer: Any) -> bool:
+        return bool(getattr(layer, "built", False))
+
+    def layer_kind(self, layer: Any) -> LayerKind:
+        use_bias = bool(getattr(layer, "use_bias", True))
+        if isinstance(layer, keras.layers.EinsumDense):
+            return LayerKind("einsum", use_bias=bool(layer.bias_axes), equation=layer.equation.replace(" ", ""),
+                             bias_axes=layer.bias_axes or "")
+        if isinstance(layer, keras.layers.Embedding):
+            return LayerKind("embedding", use_bias=False, num_embeddings=int(layer.input_dim))
+        if isinstance(layer, keras.layers.Dense):
+            return LayerKind("dense", use_bias=use_bias)
+        if isinstance(layer, _NORMS):
+            return LayerKind("norm", use_bias=use_bias)
+        if isinstance(layer, keras.layers.Dropout):
+            return LayerKind("dropout", use_bias=False)
+        if isinstance(layer, keras.layers.MultiHeadAttention):
+            return LayerKind("attention", use_bias=use_bias)
+        return LayerKind("other", use_bias=use_bias)
+
+    def weights(self, layer: Any) -> dict[str, Any]:
+        return {v.name: v for v in layer._trainable_variables + layer._non_trainable_variables}
+
+    def variables(self, module: Any) -> list[Any]:
+        return list(getattr(module, "variables", []))
+
+    def set_weight_layout(self, layer: Any, name: str, layout_fn: Callable[[int], dtensor.Layout]) -> None:
+        if layer.built:
+            weights = self.weights(layer)
+            if name not in weights:
+                raise ValueError(f"layer {layer.name!r} has no weight {name!r}; it has {sorted(weights)}")
+            variable = weights[name]
+            if getattr(variable, "_value", None) is None:
+                # created in a stateless (symbolic) build: laid out when Keras initialises it
+                variable._tfdist_layout_fn = layout_fn
+            else:
+                _variables.to_dvariable(variable, layout_fn(len(variable.shape)))
+        else:
+            pending = dict(getattr(layer, "_tfdist_weight_layouts", {}) or {})
+            pending[name] = layout_fn
+            layer._tfdist_weight_layouts = pending
+
+    def check_layout(self, variable: Any, layout: dtensor.Layout) -> None:
+        _variables.check_divisible(variable, layout)
+
+    def place_variable(self, variable: Any, layout: dtensor.Layout) -> None:
+        _variables.to_dvariable(variable, layout)
+
+    def is_placed(self, variable: Any) -> bool:
+        return _variables.is_dtensor_variable(variable)
+
+    def defer(self, pending: Pending, apply: Callable[[Any], None]) -> None:
+        parent = pending.parent
+        hooks = _DEFERRED.get(parent)
+        if hooks is None:
+            hooks = _DEFERRED[parent] = []
+            original_build = parent.build
+
+            @functools.wraps(original_build)
+            def build(*args, **kwargs):
+                original_build(*args, **kwargs)
+                for hook in _DEFERRED.pop(parent, []):
+                    hook()
+
+            parent.build = build  # this instance only
+        hooks.append(lambda: apply(getattr(parent, pending.attr)))
+
+    def wrap_call(self, layer: Any, before: Callable | None, after: Callable | None) -> None:
+        original = layer.call
+
+        @functools.wraps(original)
+        def call(*args, **kwargs):
+            if before is not None:
+                args, kwargs = before(args, kwargs)
+            outputs = original(*args, **kwargs)
+            return after(outputs) if after is not None else outputs
+
+        layer.call = call  # this instance only
+
+    def replace_call(self, layer: Any, call: Callable[..., Any]) -> None:
+        original = layer.call
+        layer.call = functools.wraps(original)(lambda *args, **kwargs: call(original, *args, **kwargs))
+
+    def is_symbolic(self, x: Any) -> bool:
+        return isinstance(x, keras.KerasTensor)
+
+    def attach_mesh(self, module: Any, mesh: DeviceMesh, batch_axis: int | None) -> None:
+        root = mesh.root_mesh
+        current = keras.distribution.distribution()
+        if current is not None:
+            if tfdist_mesh(current.device_mesh).to_tf() != root.to_tf():
+                raise ValueError(
+                    "the active keras distribution uses another mesh than device_mesh; "
+                    "parallelize under one mesh. Active: "
+                    f"{current.device_mesh}, device_mesh: {mesh!r}"
+                )
+        else:
+            name = root.axis_names[batch_axis] if batch_axis is not None else None
+            keras.distribution.set_distribution(MeshDistribution(root, batch_dim_name=name))
+        if batch_axis is not None:
+            module._tfdist_batch_dim = root.axis_names[batch_axis]
+
+    # -- with-block behaviours of tfdist.tensor APIs ------------------------------
+    def sharded_loss_scope(self, cross_entropy: Callable[..., tf.Tensor]) -> contextlib.AbstractContextManager:
+        """Keras' sparse cross-entropy computed by ``cross_entropy(labels, logits, axis)``."""
+
+        def keras_ce(original, target, output, from_logits=False, axis=-1):
+            output = tf.convert_to_tensor(output)
+            if not from_logits:
+                output = tf.math.log(tf.clip_by_value(output, 1e-7, 1.0 - 1e-7))
+            target = tf.convert_to_tensor(target)
+            if target.shape.rank == output.shape.rank:  # Keras allows a trailing 1
+                target = tf.squeeze(target, axis=-1)
+            return cross_entropy(target, output, axis)
+
+        return _patches.scoped("keras.src.backend.tensorflow.nn:sparse_categorical_crossentropy", keras_ce)
+
+    def attention_scope(self, relayout_qkv: Callable[[Any, Any, Any], tuple]) -> contextlib.AbstractContextManager:
+        """Every MultiHeadAttention's query/key/value pass through ``relayout_qkv`` first."""
+
+        def compute_attention(original, layer, query, key, value, *args, **kwargs):
+            query, key, value = relayout_qkv(query, key, value)
+            return original(layer, query, key, value, *args, **kwargs)
+
+        return _patches.scoped(
+            "keras.src.layers.attention.multi_head_attention:MultiHeadAttention._compute_attention",
+            compute_attention,
+        )
+
+
+register_module_backend("keras", KerasModules())

@@ -1,0 +1,152 @@
+"""The seam between ``tfdist.tensor`` and model objects (torch's ``nn.Module``).
+
+``tensor/`` speaks placements and TF DTensor.  What it needs of a model --
+its layers by path, a layer's weights, the kind of a layer, a hook around a
+layer's call, putting a variable on a mesh -- it asks of a
+:class:`ModuleBackend`.  ``tfdist.keras`` implements one for Keras 3 and
+registers it; ``tensor/`` never imports ``keras`` or ``tfdist.keras``.
+
+Which backend serves an object is decided by the object itself: a Keras
+layer's class lives in the ``keras`` package, so the first time a Keras
+object reaches ``parallelize_module``/``distribute_module``, the backend
+registered for ``"keras"`` is loaded by its module name (a plug-in, as Keras
+loads its own backends by name), which keeps ``import tfdist`` free of Keras.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import sys
+from contextlib import AbstractContextManager
+from typing import Any, Callable, Iterator, Protocol
+
+from tensorflow.experimental import dtensor
+
+from tfdist.device_mesh import DeviceMesh
+
+__all__ = [
+    "LayerKind", "Pending", "ModuleBackend", "register_module_backend", "module_backend", "loaded_backends",
+    "replicate_unplaced",
+]
+
+# framework package -> the module that registers tfdist's backend for it
+_PLUGINS = {"keras": "tfdist.keras._modules"}
+_BACKENDS: dict[str, "ModuleBackend"] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerKind:
+    """What the tensor-parallel styles need to know of a layer, framework-free.
+
+    ``kind`` is one of ``"dense"``, ``"einsum"``, ``"embedding"``, ``"norm"``,
+    ``"dropout"``, ``"attention"`` or ``"other"``.  ``equation`` and
+    ``bias_axes`` describe an einsum layer; ``num_embeddings`` an embedding.
+    """
+
+    kind: str
+    use_bias: bool = True
+    equation: str = ""
+    bias_axes: str = ""
+    num_embeddings: int = 0
+
+
+class Pending:
+    """A sublayer its parent creates only when it builds (e.g. attention projections)."""
+
+    def __init__(self, parent: Any, attr: str) -> None:
+        self.parent, self.attr = parent, attr
+
+
+class ModuleBackend(Protocol):
+    """What ``tfdist.tensor`` asks of a model framework."""
+
+    name: str
+
+    def named_layers(self, module: Any) -> Iterator[tuple[str, Any]]:
+        """(torch-style FQN, layer or Pending) for the module and every sublayer."""
+
+    def layer_name(self, layer: Any) -> str: ...
+
+    def is_built(self, layer: Any) -> bool: ...
+
+    def layer_kind(self, layer: Any) -> LayerKind: ...
+
+    def weights(self, layer: Any) -> dict[str, Any]:
+        """Name (``"kernel"``) -> variable of a built layer's own weights."""
+
+    def variables(self, module: Any) -> list[Any]:
+        """Every variable of the module and its sublayers."""
+
+    def set_weight_layout(self, layer: Any, name: str, layout_fn: Callable[[int], dtensor.Layout]) -> None:
+        """Lays out a weight now (built) or when it is created (unbuilt)."""
+
+    def check_layout(self, variable: Any, layout: dtensor.Layout) -> None:
+        """Raises ValueError when ``variable`` cannot take ``layout``."""
+
+    def place_variable(self, variable: Any, layout: dtensor.Layout) -> None:
+        """Moves a variable onto ``layout`` in place."""
+
+    def is_placed(self, variable: Any) -> bool:
+        """True when the variable already lives on a mesh."""
+
+    def defer(self, pending: Pending, apply: Callable[[Any], None]) -> None:
+        """Runs ``apply(sublayer)`` once ``pending`` exists."""
+
+    def wrap_call(self, layer: Any, before: Callable | None, after: Callable | None) -> None:
+        """``before(args, kwargs) -> (args, kwargs)`` and ``after(outputs)`` around each call."""
+
+    def replace_call(self, layer: Any, call: Callable[..., Any]) -> None:
+        """Calls go to ``call(original_call, *args, **kwargs)``."""
+
+    def is_symbolic(self, x: Any) -> bool:
+        """True for a symbolic placeholder (a functional model's build-time input)."""
+
+    def attach_mesh(self, module: Any, mesh: DeviceMesh, batch_axis: int | None) -> None:
+        """Makes variables created later (optimizer slots, metrics) live on ``mesh``."""
+
+    def sharded_loss_scope(self, cross_entropy: Callable[..., Any]) -> AbstractContextManager:
+        """Within it (this thread), the framework's sparse cross-entropy calls ``cross_entropy``."""
+
+    def attention_scope(self, relayout_qkv: Callable[[Any, Any, Any], tuple]) -> AbstractContextManager:
+        """Within it (this thread), attention layers relayout query/key/value first."""
+
+
+def register_module_backend(package: str, backend: ModuleBackend) -> None:
+    """Registers ``backend`` for objects whose class comes from ``package``."""
+    _BACKENDS[package] = backend
+
+
+def module_backend(module: Any, api: str) -> ModuleBackend:
+    """The backend that serves ``module`` (loading tfdist's plug-in for its framework).
+
+    Raises:
+        TypeError: no backend handles objects of this type.
+    """
+    for cls in type(module).__mro__:
+        package = cls.__module__.split(".")[0]
+        if package in _BACKENDS:
+            return _BACKENDS[package]
+        if package in _PLUGINS:
+            importlib.import_module(_PLUGINS[package])  # registers itself
+            return _BACKENDS[package]
+    raise TypeError(
+        f"{api} works on Keras 3 layers and models. Received: module of type "
+        f"{type(module).__module__}.{type(module).__name__}"
+    )
+
+
+def replicate_unplaced(modules: ModuleBackend, module: Any, mesh: DeviceMesh) -> None:
+    """Puts every variable of ``module`` not yet on a mesh onto ``mesh``'s root, replicated."""
+    tf_mesh = mesh.root_mesh.to_tf()
+    for variable in modules.variables(module):
+        if not modules.is_placed(variable):
+            modules.place_variable(variable, dtensor.Layout.replicated(tf_mesh, len(variable.shape)))
+
+
+def loaded_backends() -> list[ModuleBackend]:
+    """Backends of the frameworks this process has imported (loading tfdist's plug-ins)."""
+    for package, plugin in _PLUGINS.items():
+        if package in sys.modules and package not in _BACKENDS:
+            importlib.import_module(plugin)
+    return list(_BACKENDS.values())
