@@ -95,56 +95,62 @@ def matmul_strategy(
     out_shape = batch + (a.shape[a_m], b.shape[b_n])
     ro = len(out_shape)
     n_mesh = len(a.root_placements)
-    ta: list[Placement] = [Replicate()] * n_mesh
-    tb: list[Placement] = [Replicate()] * n_mesh
     out: list[Placement] = [Replicate()] * n_mesh
-    used_a: set[int] = set()
-    used_b: set[int] = set()
-    used_o: set[int] = set()
+    used_out: set[int] = set()
+    lhs = _MatmulOperand(a, a_k, ro - 2, a_m, n_mesh)
+    rhs = _MatmulOperand(b, b_k, ro - 1, b_n, n_mesh)
 
-    def even(spec: DTensorSpec, d: int, m: int) -> bool:
-        return spec.shape[d] % spec.root_shape[m] == 0
-
-    def batch_dim(spec: DTensorSpec, d: int) -> int | None:
-        """Output dim of operand batch dim ``d`` (None unless a full-size batch dim)."""
-        if d >= len(spec.shape) - 2:
-            return None
-        d_out = d + (ro - 2) - (len(spec.shape) - 2)
-        return d_out if spec.shape[d] == out_shape[d_out] else None
-
-    def other_batch(spec: DTensorSpec, d_out: int) -> int | None:
-        d = d_out - (ro - 2) + (len(spec.shape) - 2)
-        return d if d >= 0 and spec.shape[d] == out_shape[d_out] else None
-
-    def claim(m, p, own, other, t_own, t_other, used_own, used_other, k_dim, free_out) -> bool:
-        """Gives mesh dim ``m`` to operand ``own``'s sharded free or batch dim, if it can."""
-        if not isinstance(p, Shard) or p.dim == k_dim:
+    def give_free_dim(m: int, p: Placement, own: _MatmulOperand, other: _MatmulOperand) -> bool:
+        """Gives mesh dim ``m`` to ``own``'s sharded row/column or batch dim, if it can."""
+        if not isinstance(p, Shard) or p.dim == own.k_dim:
             return False
-        d_out = free_out if free_out is not None else batch_dim(own, p.dim)
-        if d_out is None or d_out in used_o:
+        d_out = own.out_dim if p.dim == own.free_dim else own.batch_out_dim(p.dim, out_shape)
+        if d_out is None or d_out in used_out:
             return False
-        t_own[m], out[m] = p, Shard(d_out)
-        used_own.add(p.dim)
-        used_o.add(d_out)
+        own.targets[m], out[m] = p, Shard(d_out)
+        own.used.add(p.dim)
+        used_out.add(d_out)
         if d_out < ro - 2:  # a batch dim: the other operand shards it too
-            d_other = other_batch(other, d_out)
+            d_other = other.batch_in_dim(d_out, out_shape)
             if d_other is not None:
-                t_other[m] = Shard(d_other)
-                used_other.add(d_other)
+                other.targets[m] = Shard(d_other)
+                other.used.add(d_other)
         return True
 
     for m in range(n_mesh):
         pa, pb = _no_partial(a.root_placements[m]), _no_partial(b.root_placements[m])
-        if (pa.is_shard(a_k) or pb.is_shard(b_k)) and a_k not in used_a and b_k not in used_b \
-                and even(a, a_k, m):
-            ta[m], tb[m] = Shard(a_k), Shard(b_k)
-            used_a.add(a_k); used_b.add(b_k)
+        if (pa.is_shard(a_k) or pb.is_shard(b_k)) and a_k not in lhs.used and b_k not in rhs.used \
+                and a.shape[a_k] % a.root_shape[m] == 0:
+            lhs.targets[m], rhs.targets[m] = Shard(a_k), Shard(b_k)
+            lhs.used.add(a_k)
+            rhs.used.add(b_k)
             continue
         # a's row/batch dim, else b's column/batch dim, carries over to the output
-        if claim(m, pa, a, b, ta, tb, used_a, used_b, a_k, ro - 2 if pa.is_shard(a_m) else None):
-            continue
-        claim(m, pb, b, a, tb, ta, used_b, used_a, b_k, ro - 1 if pb.is_shard(b_n) else None)
-    return ([tuple(ta), tuple(tb)], tuple(out)), out_shape
+        if not give_free_dim(m, pa, lhs, rhs):
+            give_free_dim(m, pb, rhs, lhs)
+    return ([tuple(lhs.targets), tuple(rhs.targets)], tuple(out)), out_shape
+
+
+class _MatmulOperand:
+    """One matmul operand while mesh dims are handed out: its contracted, free and output dims."""
+
+    def __init__(self, spec: DTensorSpec, k_dim: int, out_dim: int, free_dim: int, n_mesh: int) -> None:
+        self.spec, self.k_dim, self.out_dim, self.free_dim = spec, k_dim, out_dim, free_dim
+        self.targets: list[Placement] = [Replicate()] * n_mesh
+        self.used: set[int] = set()
+
+    def batch_out_dim(self, d: int, out_shape: tuple[int, ...]) -> int | None:
+        """Output dim of batch dim ``d`` (None unless a full-size batch dim)."""
+        rank, ro = len(self.spec.shape), len(out_shape)
+        if d >= rank - 2:
+            return None
+        d_out = d + (ro - 2) - (rank - 2)
+        return d_out if self.spec.shape[d] == out_shape[d_out] else None
+
+    def batch_in_dim(self, d_out: int, out_shape: tuple[int, ...]) -> int | None:
+        """This operand's dim for output batch dim ``d_out`` (None if broadcast)."""
+        d = d_out - (len(out_shape) - 2) + (len(self.spec.shape) - 2)
+        return d if d >= 0 and self.spec.shape[d] == out_shape[d_out] else None
 
 
 def reduction_strategy(spec: DTensorSpec, axes: Sequence[int], keepdims: bool) -> Strategy:
