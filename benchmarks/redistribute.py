@@ -1,20 +1,25 @@
-"""Each redistribute transition on 8 virtual CPUs: time and bytes, tfdist vs raw TF DTensor.
+"""Each redistribute transition on 8 virtual CPUs: bytes and time, tfdist vs raw TF DTensor.
 
-For every transition and size it reports
-- the median time of ``DTensor.redistribute`` inside a tf.function, and of
-  the same move written directly with ``tf.experimental.dtensor`` (ratio
-  tfdist / raw: the cost of the tfdist layer),
-- the collectives TensorFlow executed (CommDebugMode) and the bytes per
-  device they move (ring algorithms) against the minimum for torch's
-  collective for that transition.
+For 1-D meshes of 4 and 8 devices and a 2x4 mesh, even and uneven shapes,
+every transition of torch's table (and the 2-D ones FSDP and TP use):
 
-Run: python benchmarks/redistribute.py [--sizes 256 1024 2048]
+- the collectives each program ran (CommDebugMode, from the TF profiler),
+- the bytes each device sends: tfdist's plan (``explain_redistribute``,
+  whose steps the trace confirms ran) and the raw program's kernels, both
+  with ring costs, against torch's minimal plan (written out per case);
+- the median time of ``DTensor.redistribute`` in a tf.function against the
+  same move written directly with ``tf.experimental.dtensor`` as a TF user
+  writes it (one relayout, TF's default lowering), timed in interleaved rounds.
+
+Run: python benchmarks/redistribute.py [--n 1024] [--rounds 5]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -26,46 +31,61 @@ import tfdist  # noqa: E402
 
 tfdist.virtual_cpus(8)
 
-from _common import print_table, time_call, write_results  # noqa: E402
+from _common import print_table, write_results  # noqa: E402
 from tfdist.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor  # noqa: E402
-from tfdist.tensor.debug import CommDebugMode  # noqa: E402
+from tfdist.tensor._redistribute import relayout  # noqa: E402
+from tfdist.tensor.debug import CommDebugMode, explain_redistribute  # noqa: E402
 
-K = 8
+U = dtensor.UNSHARDED
+R, S0, S1, P = Replicate(), Shard(0), Shard(1), Partial()
+_GATHER_SWITCH = "LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2"
+
+# (name, src, dst, the raw program's target layout, torch's minimal bytes as a fraction of the tensor)
+# 1-D, k devices: all-gather (k-1)/k, all-to-all (k-1)/k^2, reduce-scatter (k-1)/k, all-reduce 2(k-1)/k.
+ONE_D = [
+    ("S(0)->R", (S0,), (R,), [U, U], lambda k: (k - 1) / k),
+    ("S(0)->S(1)", (S0,), (S1,), [U, "x"], lambda k: (k - 1) / k**2),
+    ("R->S(0)", (R,), (S0,), ["x", U], lambda k: 0.0),
+    ("P->R", (P,), (R,), [U, U], lambda k: 2 * (k - 1) / k),
+    ("P->S(0)", (P,), (S0,), ["x", U], lambda k: (k - 1) / k),
+]
+# 2x4 (dp, tp), torch's plan mesh dim by mesh dim, worked out by hand (N = the tensor's bytes):
+#   S0,S1->R,R    gather tp (3 x N/8), then dp (1 x N/2)                          = 7/8
+#   S0,S1->S1,S0  dp S0->S1 waits (dim 1 is tp's): gather dp (1 x N/8), tp S1->S0
+#                 all-to-all (3/4 x N/4), then a local slice                       = 5/16
+#   R,P->R,S0     reduce-scatter over tp of N                                      = 3/4
+#   P,P->R,R      all-reduce over dp (2 x 1/2 N), then tp (2 x 3/4 N)              = 5/2
+#   P,R->S0,R     reduce-scatter over dp of N                                      = 1/2
+#   S0,R->R,S0    gather dp (1 x N/2); tp R->S0 is local                           = 1/2
+TWO_D = [
+    ("S0,S1->R,R", (S0, S1), (R, R), [U, U], 7 / 8),
+    ("S0,S1->S1,S0", (S0, S1), (S1, S0), ["tp", "dp"], 5 / 16),
+    ("R,P->R,S0", (R, P), (R, S0), ["tp", U], 3 / 4),
+    ("P,P->R,R", (P, P), (R, R), [U, U], 5 / 2),
+    ("P,R->S0,R", (P, R), (S0, R), ["dp", U], 1 / 2),
+    ("S0,R->R,S0", (S0, R), (R, S0), ["tp", U], 1 / 2),
+]
 
 
-def ring_bytes(collective: str, n_bytes: int, k: int = K) -> float:
-    """Bytes each device sends for one collective over a buffer of ``n_bytes`` (the full tensor)."""
-    return {
-        "all_reduce": 2 * (k - 1) / k * n_bytes,
-        "all_gather": (k - 1) / k * n_bytes,
-        "reduce_scatter": (k - 1) / k * n_bytes,
-        "all_to_all": (k - 1) / k * n_bytes / k,
-        "none": 0.0,
-    }[collective]
+def make_source(x: np.ndarray, mesh, placements) -> DTensor:
+    """x laid out as ``placements``; Partial(sum) parts are x / (devices holding parts)."""
+    if not any(p.is_partial() for p in placements):
+        return distribute_tensor(x, mesh, placements)
+    k = int(np.prod([mesh.shape[m] for m, p in enumerate(placements) if p.is_partial()]))
+    plain = distribute_tensor(x / k, mesh, [R if p.is_partial() else p for p in placements])
+    return DTensor.from_local(plain.local_tensors(), mesh, placements, shape=x.shape)
 
 
-def transitions(mesh, n):
-    x = np.random.default_rng(0).standard_normal((n, n)).astype(np.float32)
-    tf_mesh = mesh.to_tf()
-    U = dtensor.UNSHARDED
+def raw_program(d: DTensor, specs: list[str], partial_axes: int):
+    """The move as a TF DTensor user writes it: reduce the Partial axes, one relayout."""
+    mesh = d.device_mesh.root_mesh.to_tf()
 
-    def raw(spec):
-        return dtensor.Layout(spec, tf_mesh)
+    def fn(t):
+        if partial_axes:
+            t = tf.reduce_sum(t, axis=list(range(partial_axes)))
+        return dtensor.relayout(t, dtensor.Layout(specs, mesh))
 
-    parts = [x / K for _ in range(K)]
-    cases = [
-        ("S(0)->R", distribute_tensor(x, mesh, [Shard(0)]), [Replicate()], "all_gather",
-         lambda t: dtensor.relayout(t, raw([U, U]))),
-        ("S(0)->S(1)", distribute_tensor(x, mesh, [Shard(0)]), [Shard(1)], "all_to_all",
-         lambda t: dtensor.relayout(t, raw([U, "x"]))),
-        ("R->S(0)", distribute_tensor(x, mesh, [Replicate()]), [Shard(0)], "none",
-         lambda t: dtensor.relayout(t, raw(["x", U]))),
-        ("P->R", DTensor.from_local(parts, mesh, [Partial()]), [Replicate()], "all_reduce",
-         lambda t: tf.reduce_sum(t, 0)),
-        ("P->S(0)", DTensor.from_local(parts, mesh, [Partial()]), [Shard(0)], "reduce_scatter",
-         lambda t: dtensor.relayout(tf.reduce_sum(t, 0), raw(["x", U]))),
-    ]
-    return x.nbytes, cases
+    return tf.function(fn)
 
 
 def _sync(result):
@@ -74,32 +94,82 @@ def _sync(result):
         t.numpy()
 
 
+def interleaved(fns: dict[str, callable], rounds: int, per_round: int = 5) -> dict[str, float]:
+    """Median ms per call of each fn, timed alternately in rounds (fair under load)."""
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            for _ in range(per_round):
+                start = time.perf_counter()
+                _sync(fn())
+                samples[name].append((time.perf_counter() - start) * 1e3)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def counted(fn) -> dict[str, int]:
+    with CommDebugMode() as comm:
+        _sync(fn())
+    return comm.get_comm_counts()
+
+
+def run_case(mesh, name, src, dst, specs, minimal_fraction, shape, rounds):
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    d = make_source(x, mesh, src)
+    ours = tf.function(lambda t: t.redistribute(mesh, dst))
+    np.testing.assert_allclose(ours(d).full_tensor().numpy(), x, atol=1e-4)
+    steps = explain_redistribute(d, mesh, dst)
+    planned = sum(s.bytes_per_device for s in steps)
+    least = minimal_fraction * x.nbytes
+    row = {
+        "mesh": "x".join(map(str, mesh.shape)), "transition": name, "shape": "x".join(map(str, shape)),
+        "tfdist_kernels": _fmt(counted(lambda: ours(d))),
+        "tfdist_MB": round(planned / 2**20, 3), "torch_min_MB": round(least / 2**20, 3),
+        "bytes_vs_torch": "-" if least == planned == 0 else (round(planned / least, 3) if least else "inf"),
+    }
+    fns = {"tfdist": lambda: ours(d)}
+    if all(n % 8 == 0 for n in shape):  # TF DTensor refuses uneven shards: no raw program
+        theirs = raw_program(d, specs, sum(p.is_partial() for p in src))
+        saved = os.environ.pop(_GATHER_SWITCH, None)  # compiled with TF's default lowering
+        try:
+            raw = theirs(d._physical)
+        finally:
+            if saved is not None:
+                os.environ[_GATHER_SWITCH] = saved
+        # gathered one mesh dim at a time: TF mis-lowers a two-dim gather (docs/tf_dtensor_repros)
+        full = relayout(raw, dtensor.Layout.replicated(dtensor.fetch_layout(raw).mesh, 2))
+        np.testing.assert_allclose(dtensor.unpack(full)[0].numpy(), x, atol=1e-4, err_msg=f"raw TF {name}")
+        row["raw_kernels"] = _fmt(counted(lambda: theirs(d._physical)))
+        fns["raw"] = lambda: theirs(d._physical)
+    times = interleaved(fns, rounds)
+    row["tfdist_ms"] = round(times["tfdist"], 3)
+    row["raw_ms"] = round(times["raw"], 3) if "raw" in times else "n/a"
+    row["time_ratio"] = round(times["tfdist"] / times["raw"], 3) if "raw" in times else "n/a"
+    return row
+
+
+def _fmt(counts: dict[str, int]) -> str:
+    return ",".join(f"{k}x{v}" for k, v in counts.items()) or "none"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--sizes", type=int, nargs="+", default=[256, 1024, 2048])
+    parser.add_argument("--n", type=int, default=1024)
+    parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-    mesh = tfdist.init_device_mesh("cpu", (K,), mesh_dim_names=("x",))
+    n = args.n
     rows = []
-    for n in args.sizes:
-        n_bytes, cases = transitions(mesh, n)
-        for name, d, dst, minimal, raw_fn in cases:
-            ours = tf.function(lambda t, dst=dst: t.redistribute(mesh, dst))
-            theirs = tf.function(raw_fn)
-            t_ours = time_call(lambda: ours(d), _sync)
-            t_raw = time_call(lambda: theirs(d._physical), _sync)
-            with CommDebugMode() as comm:
-                _sync(ours(d))
-            executed = comm.get_comm_counts()
-            moved = sum(ring_bytes(c, n_bytes) * m for c, m in executed.items())
-            least = ring_bytes(minimal, n_bytes)
-            rows.append({
-                "transition": name, "n": n, "tfdist_ms": round(t_ours, 3), "raw_ms": round(t_raw, 3),
-                "ratio": round(t_ours / t_raw, 3), "executed": ",".join(f"{k}x{v}" for k, v in executed.items()) or "none",
-                "minimal": minimal, "MB_moved": round(moved / 2**20, 3), "MB_minimal": round(least / 2**20, 3),
-                "excess": "-" if least == moved else (f"{moved / least:.1f}x" if least else "inf"),
-            })
-    path = write_results("redistribute", rows, {"mesh": [K], "devices": "virtual CPU"})
-    print_table(rows, ["transition", "n", "tfdist_ms", "raw_ms", "ratio", "executed", "minimal", "MB_moved", "MB_minimal", "excess"])
+    for devices in (4, 8):
+        mesh = tfdist.DeviceMesh("cpu", list(range(devices)), mesh_dim_names=("x",))
+        for shape in ((n, n), (n - 3, n)):
+            for name, src, dst, specs, minimal in ONE_D:
+                rows.append(run_case(mesh, name, src, dst, specs, minimal(devices), shape, args.rounds))
+    mesh2 = tfdist.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+    for shape in ((n, n), (n - 3, n)):
+        for name, src, dst, specs, minimal in TWO_D:
+            rows.append(run_case(mesh2, name, src, dst, specs, minimal, shape, args.rounds))
+    path = write_results("redistribute", rows, {"devices": "8 virtual CPUs", "n": n, "rounds": args.rounds})
+    print_table(rows, ["mesh", "transition", "shape", "tfdist_kernels", "raw_kernels", "tfdist_MB",
+                       "torch_min_MB", "bytes_vs_torch", "tfdist_ms", "raw_ms", "time_ratio"])
     print(f"\nwrote {path}")
 
 

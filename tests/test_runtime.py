@@ -39,3 +39,18 @@ def test_virtual_cpus_after_init_is_a_clear_error():
     assert out.returncode == 0, out.stderr
     assert "ERR virtual_cpus(4) came too late" in out.stdout
     assert "Call tfdist.virtual_cpus() first" in out.stdout
+
+
+def test_import_enables_the_all_gather_lowering_unless_opted_out():
+    """tfdist sets TF's switch (read by exact name) for CollectiveGatherV2, unless asked not to."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import os, tfdist; print(os.environ.get('LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2'))"
+    env = {k: v for k, v in os.environ.items() if k != "LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2"}
+    on = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    off = subprocess.run([sys.executable, "-c", code], env={**env, "TFDIST_GATHER_LOWERING": "reduce"},
+                         capture_output=True, text=True, timeout=300)
+    assert on.stdout.split()[-1] == "1", on.stderr[-500:]
+    assert off.stdout.split()[-1] == "None", off.stderr[-500:]

@@ -25,6 +25,7 @@ from tfdist._runtime import (
     virtual_cpus,
 )
 from tfdist.device_mesh import DeviceMesh, init_device_mesh
+from tfdist.tensor._factory import manual_seed
 
 __all__ = [
     "__version__",
@@ -38,4 +39,5 @@ __all__ = [
     "DeviceMesh",
     "init_device_mesh",
     "tensor",
+    "manual_seed",
 ]

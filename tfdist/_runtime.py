@@ -37,6 +37,23 @@ _DEVICE_TYPES = {"cpu": "CPU", "gpu": "GPU", "cuda": "GPU", "tpu": "TPU"}
 
 _initialized_device_type: str | None = None
 
+# All-gathers with all-gather bytes.  TF DTensor lowers an all-gather to an
+# all-reduce of a zero-padded full buffer (2x the bytes) unless this variable
+# is set; tensorflow/dtensor/cc/dtensor_utils.cc reads it by exact name at
+# each lowering:
+#     std::getenv("LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2")  (set = on, any value)
+# and tensorflow/dtensor/mlir/collectives.cc then emits CollectiveGatherV2 for
+# int32/int64/f16/f32/f64 on CPU and GPU meshes (other dtypes and TPU meshes
+# keep the all-reduce lowering).  Read at lowering time, so setting it here,
+# before tfdist traces anything, is enough.  That lowering is wrong for a
+# relayout gathering two mesh dims at once
+# (docs/tf_dtensor_repros/all_gather_two_mesh_dims.py), so tfdist gathers one
+# mesh dim per relayout; raw TF DTensor code in the same process that gathers
+# two at once can set TFDIST_GATHER_LOWERING=reduce (read by that exact name)
+# to keep TF's default lowering.
+if os.environ.get("TFDIST_GATHER_LOWERING", "gather") != "reduce":
+    os.environ.setdefault("LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2", "1")
+
 
 def normalize_device_type(device_type: str) -> str:
     """Maps ``"cpu"``, ``"gpu"``/``"cuda"`` or ``"tpu"`` (any case) to TF's spelling.

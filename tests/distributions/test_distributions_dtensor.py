@@ -25,7 +25,7 @@ def test_log_prob_and_sample_stay_sharded():
     lp = dist.log_prob(x)
     assert dtensor.fetch_layout(lp).sharding_specs == ["dp"]
     np.testing.assert_allclose(gather_to_numpy(lp), st.norm(loc_np, 2.0).logpdf(0.0), rtol=1e-5)
-    tf.random.get_global_generator().reset_from_seed(3)
+    tf.random.set_seed(3)
     samples = dist.sample((4000,))
     assert dtensor.fetch_layout(samples).sharding_specs == ["unsharded", "dp"]
     values = gather_to_numpy(samples)
@@ -34,7 +34,7 @@ def test_log_prob_and_sample_stay_sharded():
     np.testing.assert_allclose(values.std(0), 2.0, rtol=0.06)
     # the draws do not depend on how the parameters are sharded
     one = tfdist.DeviceMesh("cpu", [2])
-    tf.random.get_global_generator().reset_from_seed(3)
+    tf.random.set_seed(3)
     ref = D.Normal(distribute_tensor(loc_np, one, [Shard(0)]), distribute_tensor(np.full(8, 2.0, np.float32), one,
                                                                                  [Shard(0)])).sample((4000,))
     np.testing.assert_allclose(gather_to_numpy(ref), values, rtol=1e-6, atol=1e-6)
@@ -43,7 +43,7 @@ def test_log_prob_and_sample_stay_sharded():
 def test_gamma_samples_sharded_and_poisson_without_icdf_is_a_clear_error():
     mesh = make_mesh((8,))
     conc = distribute_tensor(np.full(8, 2.0, np.float32), mesh, [Shard(0)])
-    tf.random.get_global_generator().reset_from_seed(5)
+    tf.random.set_seed(5)
     draws = D.Gamma(conc, conc).sample((3000,))
     assert dtensor.fetch_layout(draws).sharding_specs == ["unsharded", "x"]
     assert st.kstest(gather_to_numpy(draws)[:, 3], st.gamma(2.0, scale=0.5).cdf).pvalue > 1e-4

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import tfdist
 from conftest import make_mesh
 from tfdist.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from tfdist.tensor.debug import CommDebugMode
@@ -15,12 +16,11 @@ MESH_1D = make_mesh((8,))
 MESH = make_mesh((2, 4))
 X = np.arange(16 * 8, dtype=np.float32).reshape(16, 8)
 
-# What TF 2.21 executes on CPU per device, next to torch's minimal collective.
-# all_gather and reduce_scatter come out as one all-reduce each (docs/performance.md).
+# What runs per device: torch's collective for each transition.
 CPU_TRANSITIONS = [
-    ([Shard(0)], [Replicate()], {"all_reduce": 1}),   # minimal: all_gather
-    ([Shard(0)], [Shard(1)], {"all_to_all": 1}),      # minimal: all_to_all
-    ([Replicate()], [Shard(0)], {}),                  # minimal: none
+    ([Shard(0)], [Replicate()], {"all_gather_into_tensor": 1}),
+    ([Shard(0)], [Shard(1)], {"all_to_all_single": 1}),
+    ([Replicate()], [Shard(0)], {}),                  # a local slice
     ([Shard(1)], [Shard(1)], {}),
 ]
 
@@ -40,14 +40,28 @@ def test_shard_replicate_transitions(src, dst, want, graph):
     assert comm.get_total_counts() == sum(want.values())
 
 
-@pytest.mark.parametrize("dst", [Replicate(), Shard(0)], ids=str)
-def test_partial_resolves_with_one_all_reduce(dst):
+@pytest.mark.parametrize(
+    "dst, want",
+    [(Replicate(), {"all_reduce": 1}), (Shard(0), {"all_to_all_single": 1})],  # reduce-scatter bytes
+    ids=str,
+)
+def test_partial_resolves_with_one_collective(dst, want):
     parts = [np.full((8, 4), c[1], np.float32) for c in MESH.local_coordinates()]
     p = DTensor.from_local(parts, MESH, [Replicate(), Partial()])
     with CommDebugMode() as comm:
         out = p.redistribute(MESH, [Replicate(), dst])
     np.testing.assert_array_equal(out.numpy(), np.full((8, 4), 6.0))
-    assert comm.get_comm_counts() == {"all_reduce": 1}  # minimal for Shard: reduce_scatter
+    assert comm.get_comm_counts() == want
+
+
+def test_counts_are_per_device_on_a_mesh_smaller_than_the_client():
+    """Two all-gathers on a 4-device mesh of an 8-device client are 2, not 1 (no division by 8)."""
+    small = tfdist.DeviceMesh("cpu", [0, 1, 2, 3], mesh_dim_names=("x",))
+    d = distribute_tensor(X, small, [Shard(0)])
+    with CommDebugMode() as comm:
+        d.redistribute(small, [Replicate()])
+        d.redistribute(small, [Replicate()])
+    assert comm.get_comm_counts() == {"all_gather_into_tensor": 2}
 
 
 def test_megatron_mlp_forward_has_one_all_reduce():
@@ -70,18 +84,18 @@ def test_module_attribution_and_table():
             d.redistribute(MESH, [Replicate(), Shard(1)])
             d + 1.0  # local: no collective
     assert comm.get_comm_module_counts() == {
-        "Global": {"all_reduce": 1}, "block0.mlp": {"all_reduce": 1},
+        "Global": {"all_gather_into_tensor": 1}, "block0.mlp": {"all_gather_into_tensor": 1},
     }
     table = comm.generate_comm_debug_tracing_table(noise_level=1)
-    assert "block0.mlp" in table and "CollectiveReduceV2" in table
+    assert "block0.mlp" in table and "CollectiveGatherV2" in table
     assert "total: 2 collective(s) per device" in table
 
 
 def test_kernel_classification():
     assert classify_kernel("CollectiveReduceV2") == "all_reduce"
-    assert classify_kernel("CollectiveGatherV2") == "all_gather"
-    assert classify_kernel("CollectiveAllToAllV2") == "all_to_all"
-    assert classify_kernel("CollectiveReduceScatterV2") == "reduce_scatter"
+    assert classify_kernel("CollectiveGatherV2") == "all_gather_into_tensor"
+    assert classify_kernel("CollectiveAllToAllV2") == "all_to_all_single"
+    assert classify_kernel("CollectiveReduceScatterV2") == "reduce_scatter_tensor"
     assert classify_kernel("CollectiveBcastSendV2") == "broadcast"
     assert classify_kernel("NcclAllReduce") == "all_reduce"
     assert classify_kernel("MatMul") is None and classify_kernel("GatherV2") is None

@@ -157,9 +157,8 @@ def test_full(mesh_2d):
 @pytest.mark.parametrize("factory", [rand, randn])
 def test_random_factories_same_values_on_any_mesh(factory):
     tf.random.set_seed(7)
-    tf.random.get_global_generator().reset_from_seed(7)
     a = factory(6, 8, device_mesh=MESHES[(8,)], placements=[Shard(0)]).numpy()
-    tf.random.get_global_generator().reset_from_seed(7)
+    tf.random.set_seed(7)
     b = factory(6, 8, device_mesh=MESHES[(2, 4)], placements=[Shard(1), Shard(0)]).numpy()
     np.testing.assert_array_equal(a, b)
     assert a.std() > 0.1
@@ -210,3 +209,25 @@ def test_local_views_are_eager_only(mesh_2d):
 
     with pytest.raises(RuntimeError, match="needs eager mode"):
         f(d)
+
+
+def test_seeding_like_torch():
+    """manual_seed, tf.random.set_seed and keras.utils.set_random_seed all restart the sequence."""
+    import keras
+
+    import tfdist
+
+    mesh1 = tfdist.DeviceMesh("cpu", [0, 1, 2, 3], mesh_dim_names=("x",))
+    tf.random.set_seed(1234)
+    a1, a2 = (randn(4, 2, device_mesh=mesh1).numpy() for _ in range(2))
+    assert not np.array_equal(a1, a2)  # successive calls differ
+    tfdist.manual_seed(1234)
+    b1 = randn(4, 2, device_mesh=MESHES[(2, 4)], placements=[Shard(0), Shard(1)]).numpy()
+    b2 = randn(4, 2, device_mesh=MESHES[(8,)], placements=[Shard(1)]).numpy()
+    keras.utils.set_random_seed(1234)
+    c1 = randn(4, 2, device_mesh=MESHES[(2, 2, 2)], placements=[Replicate(), Shard(0), Shard(1)]).numpy()
+    for got in (b1, c1):
+        np.testing.assert_array_equal(got, a1)
+    np.testing.assert_array_equal(b2, a2)
+    with pytest.raises(TypeError, match="seed must be an int"):
+        tfdist.manual_seed("1234")

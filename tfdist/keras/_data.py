@@ -17,6 +17,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfdist.device_mesh import DeviceMesh
+from tfdist.tensor._redistribute import relayout
 
 __all__ = ["shard_batch", "gather_to_numpy"]
 
@@ -63,5 +64,5 @@ def gather_to_numpy(t: Any) -> Any:
         return t.numpy() if hasattr(t, "numpy") else t
     layout = dtensor.fetch_layout(t)
     if not layout.is_fully_replicated():
-        t = dtensor.relayout(t, dtensor.Layout.replicated(layout.mesh, t.shape.rank))
+        t = relayout(t, dtensor.Layout.replicated(layout.mesh, t.shape.rank), layout)
     return dtensor.unpack(t)[0].numpy()

@@ -27,6 +27,7 @@ from tensorflow.experimental import dtensor
 from tfdist import _patches
 from tfdist.keras._backend import _as_tf_layout, distribute_tensor
 from tfdist.keras._data import gather_to_numpy
+from tfdist.tensor._redistribute import relayout
 
 __all__ = [
     "is_dtensor_variable",
@@ -156,9 +157,10 @@ def to_dvariable(variable: Any, layout: dtensor.Layout) -> None:
     old = variable._value
     value = old.read_value() if isinstance(old, tf.Variable) else tf.convert_to_tensor(old)
     if isinstance(old, dtensor.DVariable):
-        if layout_of(old) == layout:
+        old_layout = layout_of(old)
+        if old_layout == layout:
             return
-        value = dtensor.relayout(value, dtensor.Layout.replicated(layout.mesh, value.shape.rank))
+        value = relayout(value, dtensor.Layout.replicated(old_layout.mesh, value.shape.rank), old_layout)
         value = dtensor.unpack(value)[0]
     variable._value = dtensor.DVariable(
         distribute_tensor(value, layout), trainable=variable.trainable, name=variable.name

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
@@ -93,9 +94,36 @@ def full(
     return _make("full", make, (tuple(size),), dtype, device_mesh, placements)
 
 
+def manual_seed(seed: int) -> None:
+    """Seeds tfdist's random factories, as ``torch.manual_seed`` seeds torch's.
+
+    The same as ``tf.random.set_seed(seed)`` (which ``keras.utils.set_random_seed``
+    calls too): after it, the sequence of ``rand``/``randn``/``randint`` calls
+    gives the same global values again, on any mesh and placements.
+
+    Example:
+        >>> tfdist.manual_seed(1234); a = tfdist.tensor.randn(4, 2, device_mesh=mesh)
+        >>> tfdist.manual_seed(1234); b = tfdist.tensor.randn(4, 2, device_mesh=mesh)
+        >>> bool(tf.reduce_all(a.full_tensor() == b.full_tensor()))
+        True
+    """
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise TypeError(f"seed must be an int. Received: seed={seed!r}")
+    tf.random.set_seed(int(seed))
+
+
 def _random_seed() -> tuple[int, int]:
-    # A fresh seed pair per call from TF's global generator, so successive
-    # calls differ and tf.random.set_seed / reset_from_seed make them reproducible.
+    """A fresh seed pair per call.
+
+    With a global seed (``tf.random.set_seed``, ``tfdist.manual_seed``,
+    ``keras.utils.set_random_seed``) the pair is TF's own (global seed, next
+    operation seed), whose sequence set_seed restarts -- so the same calls give
+    the same values, as TF's random ops do.  Without one, it comes from TF's
+    global generator (different every run, like torch without manual_seed).
+    """
+    global_seed, op_seed = tf.compat.v1.random.get_seed(None)
+    if global_seed is not None:
+        return int(global_seed), int(op_seed)
     seeds = tf.random.get_global_generator().make_seeds(1)[:, 0].numpy()
     return int(seeds[0]), int(seeds[1])
 

@@ -5,33 +5,40 @@ A transition on one mesh dim maps to one collective (torch's table):
 ===================  ==================  ====================================
 from                 to                  what runs
 ===================  ==================  ====================================
-Shard(d)             Replicate()         all-gather
+Shard(d)             Replicate()         all-gather (CollectiveGatherV2)
 Shard(i)             Shard(j)            all-to-all
 Replicate()          Shard(d)            local slice, no communication
 Partial(op)          Replicate()         all-reduce
-Partial(op)          Shard(d)            reduce-scatter
+Partial(op)          Shard(d)            reduce-scatter: an all-to-all of the
+                                         stacked Partial axis + a local reduce
 ===================  ==================  ====================================
 
-The whole N-D move is at most one reduction (resolving every Partial mesh
-dim at once) plus one ``dtensor.relayout``: TF DTensor picks the per-dim
-collectives of the relayout.  Uneven shards are re-padded on dims that are
-replicated at that moment, where padding and slicing are local.
+A move is a short program of such steps, one mesh dim per collective (as
+torch plans it, and because TF DTensor mis-lowers some relayouts that move
+several mesh dims at once; see the step functions).  Where the order of
+steps matters for the bytes (reducing Partials before or after moving the
+shards that block a reduce-scatter), both programs are first run *dry* on
+shapes alone and the one that moves fewer bytes per device runs.  Uneven
+shards are re-padded on dims that are replicated at that moment, where
+padding and slicing are local.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+import math
 import os
 from typing import Sequence
 
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from tfdist.tensor._layout import DTensorSpec, physical_layout
+from tfdist.tensor._layout import DTensorSpec
 from tfdist.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-__all__ = ["TransformStep", "plan_redistribute", "redistribute_physical"]
+__all__ = ["TransformStep", "plan_redistribute", "redistribute_physical", "relayout", "check_transition"]
 
 logger = logging.getLogger("tfdist.redistribute")
 if "redistribute" in os.environ.get("TFDIST_LOGS", "").replace(" ", "").split(","):
@@ -50,25 +57,16 @@ _REDUCERS = {
 
 @dataclasses.dataclass(frozen=True)
 class TransformStep:
-    """One mesh dim's part of a redistribute plan."""
+    """One step of a redistribute: a mesh dim's collective and the bytes each device sends."""
 
     mesh_dim: str
     src: Placement
     dst: Placement
     collective: str  # all_gather, all_to_all, all_reduce, reduce_scatter, none
+    bytes_per_device: float = 0.0
 
     def __str__(self) -> str:
         return f"{self.mesh_dim}: {self.src} -> {self.dst} ({self.collective})"
-
-
-def _collective(src: Placement, dst: Placement) -> str:
-    if src == dst:
-        return "none"
-    if isinstance(src, Partial):
-        return "reduce_scatter" if isinstance(dst, Shard) else "all_reduce"
-    if isinstance(src, Shard):
-        return "all_to_all" if isinstance(dst, Shard) else "all_gather"
-    return "none"  # Replicate -> Shard is a local slice
 
 
 def check_transition(src: DTensorSpec, dst: DTensorSpec) -> None:
@@ -83,70 +81,293 @@ def check_transition(src: DTensorSpec, dst: DTensorSpec) -> None:
             )
 
 
-def plan_redistribute(src: DTensorSpec, dst: DTensorSpec) -> list[TransformStep]:
-    """Per mesh dim, the transition and the collective it needs."""
-    names = src.mesh.root_mesh.axis_names
-    return [
-        TransformStep(names[m], a, b, _collective(a, b))
-        for m, (a, b) in enumerate(zip(src.root_placements, dst.root_placements))
-        if a != b
-    ]
+class _Program:
+    """The physical tensor and its layout while a redistribute runs, step by step.
 
-
-def _resolve_partials(
-    x: tf.Tensor, spec: DTensorSpec, keep: Sequence[int]
-) -> tuple[tf.Tensor, list[Placement]]:
-    """Reduces the leading Partial axes whose mesh dim is not in ``keep``."""
-    placements = list(spec.root_placements)
-    # Group consecutive axes with the same reduce op into one reduction.
-    drop_by_op: dict[str, list[int]] = {}
-    for axis, m in enumerate(spec.partial_mesh_dims):
-        if m not in keep:
-            drop_by_op.setdefault(placements[m].reduce_op, []).append(axis)
-    if not drop_by_op:
-        return x, placements
-    removed = 0
-    for op, axes in drop_by_op.items():
-        x = _REDUCERS[op](x, axis=[a - removed for a in axes])
-        removed += len(axes)
-    for m in spec.partial_mesh_dims:
-        if m not in keep:
-            placements[m] = Replicate()
-    return x, placements
-
-
-def _shard_map(placements: Sequence[Placement]) -> dict[int, int]:
-    return {p.dim: m for m, p in enumerate(placements) if isinstance(p, Shard)}
-
-
-def _resize_dims(
-    x: tf.Tensor, lead: int, sizes: dict[int, int], layout: dtensor.Layout
-) -> tf.Tensor:
-    """Pads or slices (at the end) logical dims to ``sizes``; dims must be replicated.
-
-    The result is pinned to ``layout`` (the input's): inside tf.function TF
-    DTensor would otherwise pull the *next* relayout's sharding back into
-    the pad, which its SPMD expander rejects.
+    With ``x=None`` nothing runs: the steps only track shapes, layouts and
+    the bytes each device would send (ring algorithms: all-gather (k-1) x
+    the local block, all-to-all and reduce-scatter (k-1)/k x it, all-reduce
+    2 (k-1)/k x it), so that two orders of steps can be compared.
     """
-    if not sizes:
-        return x
-    shape = x.shape.as_list()
-    pads = [[0, 0] for _ in shape]
-    begin = [0] * len(shape)
-    size = list(shape)
-    grow = shrink = False
-    for d, want in sizes.items():
-        have = shape[lead + d]
-        if want > have:
-            pads[lead + d][1] = want - have
-            grow = True
-        elif want < have:
-            size[lead + d] = want
-            shrink = True
-    if shrink:
-        x = tf.slice(x, begin, size)
-    if grow:
-        x = tf.pad(x, pads)
+
+    def __init__(self, x: tf.Tensor | None, spec: DTensorSpec, itemsize: int) -> None:
+        self.root = spec.mesh.root_mesh
+        self.x = x
+        self.shape = spec.shape
+        self.placements = list(spec.root_placements)
+        self.partial = list(spec.partial_mesh_dims)  # mesh dim of each stacked leading axis
+        self.specs = list(spec.tf_layout.sharding_specs)
+        self.sizes = list(spec.physical_shape)
+        self.itemsize = itemsize
+        self.steps: list[TransformStep] = []
+
+    # -- bookkeeping ----------------------------------------------------------
+    @property
+    def lead(self) -> int:
+        return len(self.partial)
+
+    @property
+    def bytes(self) -> float:
+        return sum(s.bytes_per_device for s in self.steps)
+
+    def _k(self, spec: str) -> int:
+        return self.root.shape[self.root.axis_names.index(spec)]
+
+    def _local_bytes(self) -> float:
+        shards = math.prod(self._k(s) for s in self.specs if s != dtensor.UNSHARDED)
+        return math.prod(self.sizes) / shards * self.itemsize
+
+    def _relayout(self, specs: list[str]) -> None:
+        self.specs = list(specs)
+        if self.x is not None:
+            self.x = dtensor.relayout(self.x, dtensor.Layout(self.specs, self.root.to_tf()))
+
+    def _record(self, m: int, new: Placement, collective: str, sent: float) -> None:
+        name = self.root.axis_names[m]
+        self.steps.append(TransformStep(name, self.placements[m], new, collective, sent))
+        self.placements[m] = new
+
+    # -- local steps ----------------------------------------------------------
+    def resize(self, d: int, n: int) -> None:
+        """Pads or slices (at the end) logical dim ``d``, which must be replicated now.
+
+        The result is pinned to the current layout: inside tf.function TF
+        DTensor would otherwise pull the *next* relayout's sharding back into
+        the pad, which its SPMD expander rejects.
+        """
+        axis = self.lead + d
+        have = self.sizes[axis]
+        if have == n:
+            return
+        self.sizes[axis] = n
+        if self.x is None:
+            return
+        if n < have:
+            size = list(self.x.shape)
+            size[axis] = n
+            self.x = tf.slice(self.x, [0] * len(size), size)
+        else:
+            pads = [[0, 0] for _ in self.sizes]
+            pads[axis][1] = n - have
+            self.x = tf.pad(self.x, pads)
+        self._relayout(self.specs)
+
+    # -- collectives, one mesh dim each -----------------------------------------
+    def all_to_all(self, m: int, b: int, c: int, new: Placement, collective: str = "all_to_all") -> None:
+        """Moves mesh dim ``m`` from physical dim ``b`` onto ``c``.
+
+        TF DTensor 2.21 computes wrong values for an all-to-all relayout of a
+        rank >= 4 tensor when another mesh dim shards a third dim and neither
+        moved dim is dim 0 (docs/tf_dtensor_repros/all_to_all_wrong_values.py);
+        moves to or from dim 0 are right.  So such a tensor is transposed (a
+        local op) to put ``b`` and ``c`` first, moved, and transposed back.
+        """
+        k = self.root.shape[m]
+        sent = (k - 1) / k * self._local_bytes()
+        new_specs = list(self.specs)
+        new_specs[c], new_specs[b] = self.specs[b], dtensor.UNSHARDED
+        if self.x is not None and 0 not in (b, c) and len(self.specs) >= 4:
+            perm = [b, c] + [d for d in range(len(self.specs)) if d not in (b, c)]
+            inverse = [perm.index(d) for d in range(len(perm))]
+            mesh = self.root.to_tf()
+            xt = dtensor.relayout(tf.transpose(self.x, perm), dtensor.Layout([self.specs[d] for d in perm], mesh))
+            yt = dtensor.relayout(xt, dtensor.Layout([new_specs[d] for d in perm], mesh))
+            self.x = tf.transpose(yt, inverse)
+        self._relayout(new_specs)
+        self._record(m, new, collective, sent)
+
+    def all_gather(self, m: int, b: int) -> None:
+        """Unshards physical dim ``b`` (mesh dim ``m``).
+
+        One mesh dim per relayout: with the CollectiveGatherV2 lowering, TF
+        DTensor 2.21 fails to compile a relayout that gathers two mesh dims
+        at once (docs/tf_dtensor_repros/all_gather_two_mesh_dims.py); torch
+        gathers mesh dim by mesh dim too, and the bytes are the same.
+        """
+        sent = (self.root.shape[m] - 1) * self._local_bytes()
+        new_specs = list(self.specs)
+        new_specs[b] = dtensor.UNSHARDED
+        self._relayout(new_specs)
+        self._record(m, Replicate(), "all_gather", sent)
+
+    def reduce_scatter(self, m: int, d: int) -> None:
+        """Partial(op) on mesh dim ``m`` -> Shard(d) on ``m`` with reduce-scatter bytes.
+
+        The Partial values are a leading physical axis sharded on m.  Moving
+        m from that axis onto dim d is an all-to-all: each device receives,
+        for its own block of d, that block of every device's partial value
+        ((k-1)/k of the tensor, as a ring reduce-scatter moves).  Reducing
+        the axis is then local.  TF DTensor's own lowering would all-reduce
+        the whole tensor and slice.
+        """
+        axis = self.partial.index(m)
+        self.resize(d, _padded(self.shape[d], self.root.shape[m]))  # dim d is replicated: local
+        op = self.placements[m].reduce_op
+        self.all_to_all(m, axis, self.lead + d, Shard(d), "reduce_scatter")
+        if self.x is not None:
+            self.x = _REDUCERS[op](self.x, axis=axis)
+        del self.partial[axis], self.sizes[axis], self.specs[axis]
+        self._relayout(self.specs)
+
+    def all_reduce(self, mesh_dims: Sequence[int]) -> None:
+        """Resolves the Partials on ``mesh_dims``: one all-reduce per reduce op."""
+        by_op: dict[str, list[int]] = {}
+        for m in mesh_dims:
+            by_op.setdefault(self.placements[m].reduce_op, []).append(m)
+        for op, dims in by_op.items():
+            axes = [self.partial.index(m) for m in dims]
+            for axis in sorted(axes, reverse=True):
+                del self.partial[axis], self.sizes[axis], self.specs[axis]
+            if self.x is not None:
+                self.x = _REDUCERS[op](self.x, axis=axes)
+            group = math.prod(self.root.shape[m] for m in dims)
+            sent = 2 * (group - 1) / group * self._local_bytes()
+            for i, m in enumerate(dims):
+                self._record(m, Replicate(), "all_reduce", sent if i == 0 else 0.0)
+        self._relayout(self.specs)
+
+    # -- the plan -------------------------------------------------------------
+    def reduce_scatters(self, want: Sequence[Placement]) -> None:
+        while True:
+            busy = {p.dim for p in self.placements if isinstance(p, Shard)}
+            pick = next(
+                (m for m in self.partial
+                 if isinstance(want[m], Shard) and want[m].dim not in busy
+                 and sum(r.is_shard(want[m].dim) for r in want) == 1),
+                None,
+            )
+            if pick is None:
+                return
+            self.reduce_scatter(pick, want[pick].dim)
+
+    def move_shards(self, dst: DTensorSpec, only: set[int] | None = None) -> None:
+        """Every mesh dim whose Shard changes: an all-gather, or an all-to-all onto its new dim.
+
+        Gathers go first (they free tensor dims), then all-to-alls whose
+        target dim is free; a cycle (a full swap) is broken by a gather.
+        """
+        want = dst.root_placements
+
+        def target(m: int) -> int | None:
+            q = want[m]
+            if isinstance(q, Shard) and sum(r.is_shard(q.dim) for r in want) == 1:
+                return q.dim
+            return None
+
+        pending = [
+            m for m in range(self.root.ndim)
+            if isinstance(self.placements[m], Shard) and self.placements[m] != want[m]
+            and (only is None or m in only)
+        ]
+        while pending:
+            gathers = [m for m in pending if target(m) is None]
+            busy = {r.dim for r in self.placements if isinstance(r, Shard)}
+            moves = [m for m in pending if target(m) is not None and target(m) not in busy]
+            # a cycle (a full swap) is broken by gathering the smallest mesh dim
+            m = gathers[-1] if gathers else moves[-1] if moves else min(pending, key=lambda i: self.root.shape[i])
+            pending.remove(m)
+            d = self.placements[m].dim
+            if not gathers and moves:
+                j = target(m)
+                self.resize(j, dst.padded_size(j))  # dim j is replicated now: local
+                self.all_to_all(m, self.lead + d, self.lead + j, want[m])
+            else:
+                self.all_gather(m, self.lead + d)
+
+    def early_slices(self, dst: DTensorSpec) -> None:
+        """Replicate -> Shard(j) slices done first (local), so later collectives move less.
+
+        Only onto dims no mesh dim shards now and no Partial or Shard is
+        about to move onto.
+        """
+        want = dst.root_placements
+        incoming = {want[m].dim for m, p in enumerate(self.placements)
+                    if not p.is_replicate() and isinstance(want[m], Shard) and p != want[m]}
+        for m, p in enumerate(self.placements):
+            q = want[m]
+            busy = {r.dim for r in self.placements if isinstance(r, Shard)}
+            if (p.is_replicate() and isinstance(q, Shard) and q.dim not in busy and q.dim not in incoming
+                    and sum(r.is_shard(q.dim) for r in want) == 1):
+                self.resize(q.dim, dst.padded_size(q.dim))
+                specs = list(self.specs)
+                specs[self.lead + q.dim] = self.root.axis_names[m]
+                self._relayout(specs)
+                self.placements[m] = q
+
+    def finish(self, dst: DTensorSpec) -> tf.Tensor | None:
+        """Local pads and slices of the dims not sharded now, then the last (local) shards."""
+        sharded = {r.dim for r in self.placements if isinstance(r, Shard)}
+        for d in range(len(self.shape)):
+            if d not in sharded:
+                to_shard = any(r.is_shard(d) for r in dst.root_placements)
+                self.resize(d, dst.padded_size(d) if to_shard else dst.shape[d])
+        self.placements = list(dst.root_placements)
+        if self.x is not None:
+            self.x = dtensor.relayout(self.x, dst.tf_layout)
+        return self.x
+
+
+def _padded(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+def _blockers(src: DTensorSpec, dst: DTensorSpec) -> set[int]:
+    """Mesh dims whose Shard sits on a dim that a Partial mesh dim is to be reduce-scattered onto."""
+    want = dst.root_placements
+    targets = {want[m].dim for m in src.partial_mesh_dims if isinstance(want[m], Shard)}
+    return {
+        m for m, p in enumerate(src.root_placements)
+        if isinstance(p, Shard) and p.dim in targets and want[m] != p
+    }
+
+
+def _run(x: tf.Tensor | None, src: DTensorSpec, dst: DTensorSpec, itemsize: int, order: tuple[bool, bool]) -> _Program:
+    slices_first, blockers_first = order
+    prog = _Program(x, src, itemsize)
+    if slices_first:
+        prog.early_slices(dst)
+    if blockers_first:
+        prog.move_shards(dst, only=_blockers(src, dst))
+    prog.reduce_scatters(dst.root_placements)
+    prog.all_reduce([m for m in prog.partial if m not in dst.partial_mesh_dims])
+    prog.move_shards(dst)
+    prog.finish(dst)
+    return prog
+
+
+_ORDERS = ((False, False), (True, False), (False, True), (True, True))
+
+
+@functools.lru_cache(maxsize=4096)
+def _cheapest(src: DTensorSpec, dst: DTensorSpec, itemsize: int) -> tuple[bool, bool]:
+    """The order of steps that sends the fewest bytes: (local slices first, blocking shards first).
+
+    Dry runs of each order on shapes alone; the first of equals wins.
+    """
+    return min(_ORDERS, key=lambda order: _run(None, src, dst, itemsize, order).bytes)
+
+
+def plan_redistribute(src: DTensorSpec, dst: DTensorSpec, itemsize: int = 4) -> list[TransformStep]:
+    """The steps a redistribute runs, each with its collective and bytes per device."""
+    return _run(None, src, dst, itemsize, _cheapest(src, dst, itemsize)).steps
+
+
+def relayout(x: tf.Tensor, layout: dtensor.Layout, source: dtensor.Layout | None = None) -> tf.Tensor:
+    """``dtensor.relayout`` that gathers one mesh dim at a time.
+
+    For tfdist's own relayouts of raw TF DTensors (Keras variables, host
+    reads): a single relayout that gathers two mesh dims at once fails to
+    compile under the CollectiveGatherV2 lowering tfdist enables (see
+    ``_Program.all_gather``).  ``source`` is the current layout (read from
+    ``x`` in eager mode when not given).
+    """
+    if source is None:
+        source = dtensor.fetch_layout(x)
+    specs = list(source.sharding_specs)
+    for d, (have, want) in enumerate(zip(source.sharding_specs, layout.sharding_specs)):
+        if have != dtensor.UNSHARDED and have != want:
+            specs[d] = dtensor.UNSHARDED
+            x = dtensor.relayout(x, dtensor.Layout(list(specs), source.mesh))
     return dtensor.relayout(x, layout)
 
 
@@ -155,46 +376,8 @@ def redistribute_physical(x: tf.Tensor, src: DTensorSpec, dst: DTensorSpec) -> t
     if src.root_placements == dst.root_placements:
         return x
     check_transition(src, dst)
+    itemsize = x.dtype.size
+    prog = _run(x, src, dst, itemsize, _cheapest(src, dst, itemsize))
     if logger.isEnabledFor(logging.DEBUG):
-        logger.debug(
-            "redistribute %s: %s",
-            src.shape,
-            "; ".join(str(s) for s in plan_redistribute(src, dst)) or "no-op",
-        )
-    root = src.mesh.root_mesh
-    ndim = len(src.shape)
-    x, cur = _resolve_partials(x, src, keep=dst.partial_mesh_dims)
-    lead = len(dst.partial_mesh_dims)
-    cur_shard, dst_shard = _shard_map(cur), _shard_map(dst.root_placements)
-    cur_pad = {d: x.shape[lead + d] for d in range(ndim)}
-
-    # A dim sharded before and after with different padding goes through
-    # Replicate first, so that its padding changes where it is local.
-    clash = [
-        d for d in cur_shard
-        if d in dst_shard and cur_pad[d] != dst.padded_size(d)
-    ]
-    if clash:
-        for d in clash:
-            cur[cur_shard[d]] = Replicate()
-        layout = physical_layout(root, cur, ndim)
-        x = dtensor.relayout(x, layout)
-        x = _resize_dims(x, lead, {d: src.shape[d] for d in clash}, layout)
-        cur_pad.update({d: src.shape[d] for d in clash})
-        cur_shard = _shard_map(cur)
-
-    # Pad dims about to be sharded (they are replicated now, so it is local).
-    grow = {
-        d: dst.padded_size(d)
-        for d in dst_shard
-        if d not in cur_shard and cur_pad[d] != dst.padded_size(d)
-    }
-    x = _resize_dims(x, lead, grow, physical_layout(root, cur, ndim))
-    x = dtensor.relayout(x, dst.tf_layout)
-    # Drop the padding of dims that are replicated now.
-    shrink = {
-        d: src.shape[d]
-        for d in range(ndim)
-        if d not in dst_shard and x.shape[lead + d] != src.shape[d]
-    }
-    return _resize_dims(x, lead, shrink, dst.tf_layout)
+        logger.debug("redistribute %s: %s", src.shape, "; ".join(map(str, prog.steps)) or "local")
+    return prog.x

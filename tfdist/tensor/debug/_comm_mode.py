@@ -1,15 +1,15 @@
 """CommDebugMode: count the collectives TensorFlow actually executes.
 
 tfdist does not trust its own plans here: TF DTensor chooses the kernels
-when it SPMD-expands a program, and on CPU it lowers an all-gather or a
-reduce-scatter to an all-reduce (see docs/performance.md).  So the counts
+when it SPMD-expands a program (see docs/performance.md).  So the counts
 come from the TensorFlow profiler: while the mode is active the profiler
 records every kernel each device runs; on exit the trace (an ``XSpace``
 protobuf that TensorFlow ships) is parsed and each collective kernel
 (``CollectiveReduceV2``, ``CollectiveGatherV2``, ``CollectiveAllToAllV2``,
 ``CollectiveReduceScatterV2``, broadcast send/recv, NCCL kernels) is
-counted.  Every device of an SPMD program runs each collective once, so a
-count is *per device* -- torch's per-rank count.
+counted once per launch: the devices of one collective share its
+(step_id, instance_key), so a count is *per device* -- torch's per-rank
+count -- on a mesh of any size.
 
 Per-module counts: TF DTensor's SPMD expansion drops name scopes from the
 collective ops, so modules are attributed by tfdist itself -- code inside
@@ -22,7 +22,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import glob
-import math
 import shutil
 import tempfile
 from typing import Iterator
@@ -30,18 +29,18 @@ from typing import Iterator
 import tensorflow as tf
 from tensorflow.python.eager import context
 
-from tfdist import _runtime
 
 __all__ = ["CommDebugMode", "classify_kernel"]
 
-# TF op type (or NCCL/XLA kernel name, lower-cased) -> torch's collective name.
+# TF op type (or NCCL/XLA kernel name, lower-cased) -> torch's functional-collective name
+# (torch.distributed._functional_collectives: what torch's CommDebugMode counts).
 _KERNELS = (
-    ("reducescatter", "reduce_scatter"),
-    ("reduce-scatter", "reduce_scatter"),
-    ("alltoall", "all_to_all"),
-    ("all-to-all", "all_to_all"),
-    ("gather", "all_gather"),
-    ("all-gather", "all_gather"),
+    ("reducescatter", "reduce_scatter_tensor"),
+    ("reduce-scatter", "reduce_scatter_tensor"),
+    ("alltoall", "all_to_all_single"),
+    ("all-to-all", "all_to_all_single"),
+    ("gather", "all_gather_into_tensor"),
+    ("all-gather", "all_gather_into_tensor"),
     ("allreduce", "all_reduce"),
     ("all-reduce", "all_reduce"),
     ("collectivereduce", "all_reduce"),
@@ -68,10 +67,19 @@ def _sync() -> None:
     context.async_wait()
 
 
-def _read_kernel_counts(logdir: str) -> collections.Counter:
+def _read_kernel_counts(logdir: str) -> tuple[collections.Counter, collections.Counter]:
+    """(launches, executions) per collective kernel type found in the trace.
+
+    An execution is one device running the kernel.  A launch is one
+    collective of the SPMD program: every device of its group runs it under
+    the same (step_id, instance_key), so distinct pairs count launches --
+    per device, whatever the mesh size, and robust to the profiler dropping
+    some devices' events.
+    """
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
     counts: collections.Counter = collections.Counter()
+    launches: dict[str, set] = collections.defaultdict(set)
     for path in glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True):
         space = xplane_pb2.XSpace()
         with open(path, "rb") as f:
@@ -80,6 +88,7 @@ def _read_kernel_counts(logdir: str) -> collections.Counter:
             if not plane.name.startswith("/host:"):
                 continue  # device planes repeat what the host's TF ops record
             names = {k: v.name for k, v in plane.event_metadata.items()}
+            stat_names = {k: v.name for k, v in plane.stat_metadata.items()}
             for line in plane.lines:
                 for event in line.events:
                     name = names.get(event.metadata_id, "")
@@ -87,29 +96,27 @@ def _read_kernel_counts(logdir: str) -> collections.Counter:
                         op_type = name.rsplit(":", 1)[1]
                         if classify_kernel(op_type):
                             counts[op_type] += 1
-    return counts
+                            stats = {stat_names.get(s.metadata_id): s.int64_value or s.uint64_value
+                                     for s in event.stats}
+                            key = (stats.get("step_id"), stats.get("instance_key"))
+                            # NCCL/XLA kernels carry no keys: each execution stands alone
+                            launches[op_type].add(key if None not in key else (id(event),))
+    return collections.Counter({k: len(v) for k, v in launches.items()}), counts
 
 
 class CommDebugMode:
     """Counts the collectives executed by the code inside ``with``.
 
-    Args:
-        num_devices: devices taking part in each collective's SPMD program,
-            used to turn kernel executions into per-device counts; default
-            this client's devices of the detected device type.
-
     Example::
 
         with CommDebugMode() as comm:
             y = x.redistribute(mesh, [Replicate(), Replicate()])
-        comm.get_comm_counts()   # {'all_reduce': 1} on CPU: TF's all-gather lowering
+        comm.get_comm_counts()   # {'all_gather_into_tensor': 1}
         print(comm.generate_comm_debug_tracing_table())
     """
 
-    def __init__(self, num_devices: int | None = None) -> None:
-        if num_devices is None:
-            num_devices = len(_runtime.local_devices(_runtime.detect_device_type()))
-        self._num_devices = max(1, int(num_devices))
+    def __init__(self) -> None:
+        self._launches: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
         self._kernels: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
         self._module = "Global"
         self._logdir: str | None = None
@@ -131,13 +138,16 @@ class CommDebugMode:
         _sync()
         tf.profiler.experimental.stop()
         try:
-            self._kernels[self._module].update(_read_kernel_counts(self._logdir))
+            launches, executions = _read_kernel_counts(self._logdir)
+            self._launches[self._module].update(launches)
+            self._kernels[self._module].update(executions)
         finally:
             shutil.rmtree(self._logdir, ignore_errors=True)
             self._logdir = None
 
     def __enter__(self) -> CommDebugMode:
         self._kernels.clear()
+        self._launches.clear()
         self._start()
         return self
 
@@ -159,19 +169,28 @@ class CommDebugMode:
             self._start()
 
     # -- results ----------------------------------------------------------------
-    def _per_device(self, kernels: collections.Counter) -> dict[str, int]:
+    @staticmethod
+    def _by_torch_name(launches: collections.Counter) -> dict[str, int]:
         out: collections.Counter = collections.Counter()
-        for op_type, executions in kernels.items():
-            out[classify_kernel(op_type)] += executions
-        # ceil: the profiler may drop a device's event on a function's very first run
-        return {k: math.ceil(v / self._num_devices) for k, v in sorted(out.items())}
+        for op_type, n in launches.items():
+            out[classify_kernel(op_type)] += n
+        return dict(sorted(out.items()))
 
     def get_comm_counts(self) -> dict[str, int]:
-        """Collectives per device by torch name (all_reduce, all_gather, ...)."""
+        """Collectives per device by torch's names.
+
+        Names are torch's functional collectives: ``all_reduce``,
+        ``all_gather_into_tensor``, ``reduce_scatter_tensor``,
+        ``all_to_all_single`` (and ``broadcast``, ``send_recv``).  A count is
+        the number of collectives each participating device ran, whatever
+        the mesh size.  tfdist's reduce-scatter (Partial -> Shard) runs as
+        an all-to-all kernel that moves reduce-scatter bytes, and is counted
+        as ``all_to_all_single``.
+        """
         total: collections.Counter = collections.Counter()
-        for kernels in self._kernels.values():
-            total.update(kernels)
-        return self._per_device(total)
+        for launches in self._launches.values():
+            total.update(launches)
+        return self._by_torch_name(total)
 
     def get_total_counts(self) -> int:
         """All collectives per device."""
@@ -179,7 +198,7 @@ class CommDebugMode:
 
     def get_comm_module_counts(self) -> dict[str, dict[str, int]]:
         """Per-module collective counts (modules marked with :meth:`module`)."""
-        return {m: self._per_device(k) for m, k in self._kernels.items() if k}
+        return {m: self._by_torch_name(k) for m, k in self._launches.items() if k}
 
     def get_kernel_counts(self) -> dict[str, int]:
         """Raw executions per TF kernel type, summed over devices."""

@@ -21,11 +21,11 @@ def explain_redistribute(
     device_mesh: DeviceMesh | None = None,
     placements: Sequence[Placement] | None = None,
 ) -> list[TransformStep]:
-    """The transitions ``dtensor.redistribute(device_mesh, placements)`` makes.
+    """The steps ``dtensor.redistribute(device_mesh, placements)`` runs, in order.
 
-    One step per mesh dim whose placement changes, naming the collective
-    torch's table assigns to it (what TF DTensor lowers it to on each device
-    type is measured by CommDebugMode).
+    One step per collective, one mesh dim each, with the bytes each device
+    sends (``step.bytes_per_device``, ring algorithms); local slices and pads
+    are not steps.  What the devices ran is measured by CommDebugMode.
 
     Example:
         >>> [str(s) for s in explain_redistribute(x, mesh, [Replicate(), Shard(0)])]
@@ -35,4 +35,4 @@ def explain_redistribute(
         raise ValueError("explain_redistribute needs placements. Received: placements=None")
     dst = _target_spec(dtensor._spec, device_mesh, placements)
     check_transition(dtensor._spec, dst)
-    return plan_redistribute(dtensor._spec, dst)
+    return plan_redistribute(dtensor._spec, dst, dtensor.dtype.size)

@@ -1,0 +1,201 @@
+"""Every redistribute pair on 1-D and 2-D meshes: values (numpy) and the collectives TF ran.
+
+The reference for values is numpy slicing (torch.chunk by hand); for
+collectives it is torch's per-mesh-dim table, independent of tfdist's code:
+
+    Shard -> Replicate: all-gather     Shard(i) -> Shard(j): all-to-all
+    Partial -> Replicate: all-reduce   Partial -> Shard: reduce-scatter
+    Replicate -> Shard: none (local)   same -> same: none
+
+tfdist runs a reduce-scatter as one all-to-all of the stacked Partial axis
+(reduce-scatter bytes), which the trace shows as ``all_to_all_single``.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdist
+from conftest import make_mesh
+from reference import coords, expected_shard
+from tfdist.tensor import DTensor, Partial, Replicate, Shard
+from tfdist.tensor.debug import CommDebugMode, explain_redistribute
+
+MESH_1D = tfdist.DeviceMesh("cpu", [0, 1, 2, 3], mesh_dim_names=("x",))
+MESH_2D = make_mesh((2, 4))
+
+P_SUM, P_AVG, P_MAX = Partial("sum"), Partial("avg"), Partial("max")
+ONE_D = [(Replicate(),), (Shard(0),), (Shard(1),), (P_SUM,), (P_AVG,), (P_MAX,)]
+TWO_D = [
+    (Replicate(), Replicate()), (Shard(0), Replicate()), (Replicate(), Shard(1)), (Shard(0), Shard(1)),
+    (Shard(1), Shard(0)), (P_SUM, Replicate()), (Replicate(), P_SUM), (P_SUM, P_SUM), (P_MAX, Shard(0)),
+    (Shard(1), P_AVG),
+]
+
+
+def _partial_local(x: np.ndarray, p: Partial, k: int, i: int) -> np.ndarray:
+    """Device i's share of x under Partial(op) over k devices (reduce them to get x back)."""
+    if p.reduce_op == "sum":
+        return x * (i + 1) / (k * (k + 1) / 2)
+    if p.reduce_op == "avg":
+        return x * k * (i + 1) / (k * (k + 1) / 2)
+    return x - (i if i else 0) * (1.0 + np.abs(x))  # device 0 holds the max
+
+
+def make_source(x: np.ndarray, mesh, placements) -> DTensor:
+    locals_ = []
+    for coord in mesh.local_coordinates():
+        local = expected_shard(x, mesh.shape, placements, coord)
+        for p, k, c in zip(placements, mesh.shape, coord):
+            if isinstance(p, Partial):
+                local = _partial_local(local, p, k, c)
+        locals_.append(tf.constant(local.astype(np.float32)))
+    return DTensor.from_local(locals_, mesh, placements, shape=x.shape)
+
+
+def torch_bytes(src, dst, shape, mesh_shape, itemsize=4) -> float:
+    """Bytes each device sends under torch's plan: mesh dims in order, one collective each.
+
+    An independent model of torch's redistribute with ring costs: all-gather
+    (k-1) x local block, all-to-all and reduce-scatter (k-1)/k x it,
+    all-reduce 2 (k-1)/k x it.  A Shard(i) -> Shard(j) whose dim j is held by
+    another mesh dim at that moment is a gather now and a slice at the end;
+    likewise a slice or reduce-scatter onto such a dim waits (an all-reduce
+    now for a Partial), so that no dim is sharded twice on the way.
+    """
+    local = float(np.prod(shape)) * itemsize
+    for a, k in zip(src, mesh_shape):
+        if a.is_shard():
+            local /= k
+    cur = list(src)
+    sent = 0.0
+    deferred = []
+    for m, (b, k) in enumerate(zip(dst, mesh_shape)):
+        a = cur[m]
+        if a == b:
+            continue
+        held = {p.dim for i, p in enumerate(cur) if i != m and p.is_shard()}
+        if a.is_partial():
+            if b.is_shard() and b.dim not in held:
+                sent += (k - 1) / k * local
+                local /= k
+            else:
+                sent += 2 * (k - 1) / k * local
+                if b.is_shard():
+                    deferred.append((m, b))
+                    cur[m] = Replicate()
+                    continue
+        elif a.is_shard() and b.is_shard() and b.dim not in held:
+            sent += (k - 1) / k * local
+        elif a.is_shard():
+            sent += (k - 1) * local
+            local *= k
+            if b.is_shard():
+                deferred.append((m, b))
+                cur[m] = Replicate()
+                continue
+        elif b.is_shard() and b.dim in held:
+            deferred.append((m, b))
+            continue
+        elif b.is_shard():
+            local /= k
+        cur[m] = b
+    return sent  # the deferred slices are local
+
+
+_KERNEL = {"all_gather": "all_gather_into_tensor", "all_to_all": "all_to_all_single",
+           "reduce_scatter": "all_to_all_single", "all_reduce": "all_reduce"}
+
+
+def planned_kernels(steps) -> dict[str, int]:
+    """The kernels a plan runs (a fused all-reduce over several mesh dims is one)."""
+    out: collections.Counter = collections.Counter()
+    for step in steps:
+        if step.collective != "all_reduce" or step.bytes_per_device > 0:
+            out[_KERNEL[step.collective]] += 1
+    return dict(out)
+
+
+def _valid(src, dst) -> bool:
+    return all(not b.is_partial() or a == b for a, b in zip(src, dst))
+
+
+def _pairs(options):
+    return [(a, b) for a, b in itertools.product(options, options) if _valid(a, b)]
+
+
+CASES = [(MESH_1D, a, b) for a, b in _pairs(ONE_D)] + [(MESH_2D, a, b) for a, b in _pairs(TWO_D)]
+
+
+def _id(case) -> str:
+    mesh, a, b = case
+    return f"{'x'.join(map(str, mesh.shape))}:{','.join(map(str, a))}->{','.join(map(str, b))}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=_id)
+@pytest.mark.parametrize("shape", [(8, 12), (7, 5)], ids=["even", "uneven"])
+def test_values_eager_and_in_tf_function(case, shape):
+    mesh, src, dst = case
+    x = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
+    d = make_source(x, mesh, src)
+    eager = d.redistribute(mesh, dst)
+    graph = tf.function(lambda t: t.redistribute(mesh, dst))(d)
+    for out in (eager, graph):
+        assert tuple(out.placements) == tuple(dst)
+        np.testing.assert_allclose(out.full_tensor().numpy(), x, rtol=1e-5, atol=1e-5)
+    if not any(p.is_partial() for p in dst):
+        for local, coord in zip(eager.local_tensors(), coords(mesh.shape)):
+            np.testing.assert_allclose(local.numpy(), expected_shard(x, mesh.shape, dst, coord), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_executed_collectives_are_the_plan_and_no_more_bytes_than_torch(case):
+    mesh, src, dst = case
+    x = np.random.default_rng(2).standard_normal((8, 16)).astype(np.float32)
+    d = make_source(x, mesh, src)
+    move = tf.function(lambda t: t.redistribute(mesh, dst))
+    move(d)  # trace outside the counted window
+    with CommDebugMode() as comm:
+        move(d)
+    steps = explain_redistribute(d, mesh, dst)
+    assert comm.get_comm_counts() == planned_kernels(steps)
+    ours = sum(s.bytes_per_device for s in steps)
+    assert ours <= torch_bytes(src, dst, x.shape, mesh.shape) + 1e-6, [str(s) for s in steps]
+
+
+@pytest.mark.parametrize("src, dst", [(a, b) for a, b in itertools.product(ONE_D, ONE_D) if not _valid(a, b)], ids=str)
+def test_to_partial_is_refused_and_nothing_changes(src, dst):
+    x = np.arange(12, dtype=np.float32).reshape(4, 3)
+    d = make_source(x, MESH_1D, src)
+    with pytest.raises(ValueError, match="Partial only comes from operators"):
+        d.redistribute(MESH_1D, dst)
+    np.testing.assert_allclose(d.full_tensor().numpy(), x, rtol=1e-6)
+
+
+def test_rank_4_all_to_all_on_a_2d_mesh_is_right():
+    """TF DTensor computes this move wrongly (docs/tf_dtensor_repros/all_to_all_wrong_values.py)."""
+    x = np.arange(4 * 4 * 8 * 4, dtype=np.float32).reshape(4, 4, 8, 4)
+    d = make_source(x, MESH_2D, (Shard(0), Shard(1)))
+    for fn in (lambda t: t.redistribute(MESH_2D, [Shard(0), Shard(2)]),
+               tf.function(lambda t: t.redistribute(MESH_2D, [Shard(0), Shard(2)]))):
+        out = fn(d)
+        for local, coord in zip(out.local_tensors(), coords(MESH_2D.shape)):
+            np.testing.assert_array_equal(local.numpy(), expected_shard(x, MESH_2D.shape, out.placements, coord))
+    with CommDebugMode() as comm:
+        d.redistribute(MESH_2D, [Shard(0), Shard(2)])
+    assert comm.get_comm_counts() == {"all_to_all_single": 1}
+
+
+def test_gathering_two_mesh_dims_is_two_all_gathers():
+    """One relayout gathering dp and tp fails to compile in TF (all_gather_two_mesh_dims.py)."""
+    x = np.arange(4 * 8 * 4, dtype=np.float32).reshape(4, 8, 4)
+    d = make_source(x, MESH_2D, (Shard(0), Shard(1)))
+    with CommDebugMode() as comm:
+        full = tf.function(lambda t: t.full_tensor())(d)
+    np.testing.assert_array_equal(full.numpy(), x)
+    assert comm.get_comm_counts() == {"all_gather_into_tensor": 2}
