@@ -21,13 +21,18 @@ def chunk_bounds(n: int, k: int, i: int) -> tuple[int, int]:
 
 
 def expected_shard(x: np.ndarray, mesh_shape, placements, coord) -> np.ndarray:
-    """The slice of global ``x`` that the device at mesh ``coord`` holds."""
-    index = [slice(None)] * x.ndim
+    """The slice of global ``x`` that the device at mesh ``coord`` holds.
+
+    A dim sharded by several mesh dims is chunked by the first, then the
+    chunk by the next, ... (torch's nesting, in mesh-dim order).
+    """
+    lo = [0] * x.ndim
+    hi = list(x.shape)
     for p, k, c in zip(placements, mesh_shape, coord):
         if isinstance(p, Shard):
-            lo, hi = chunk_bounds(x.shape[p.dim], k, c)
-            index[p.dim] = slice(lo, hi)
-    return x[tuple(index)]
+            a, b = chunk_bounds(hi[p.dim] - lo[p.dim], k, c)
+            lo[p.dim], hi[p.dim] = lo[p.dim] + a, lo[p.dim] + b
+    return x[tuple(slice(a, b) for a, b in zip(lo, hi))]
 
 
 def coords(mesh_shape):

@@ -187,8 +187,8 @@ def test_bad_input(mesh_2d):
         distribute_tensor(object(), mesh_2d)
     with pytest.raises(TypeError, match="device_mesh must be a tfdist DeviceMesh"):
         distribute_tensor(x, mesh_2d.to_tf())
-    with pytest.raises(NotImplementedError, match="several mesh dims"):
-        distribute_tensor(x, mesh_2d, [Shard(0), Shard(0)])
+    # one dim over two mesh dims is torch's nesting now (tests/tensor/test_multi_mesh_dim_shard.py)
+    np.testing.assert_array_equal(distribute_tensor(x, mesh_2d, [Shard(0), Shard(0)]).numpy(), x)
     d = distribute_tensor(x, mesh_2d)
     with pytest.raises(ValueError, match="not a DTensor"):
         distribute_tensor(d, mesh_2d)

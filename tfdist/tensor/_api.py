@@ -266,11 +266,11 @@ class DTensor(tf.experimental.ExtensionType):
         """This client's shards, one per local device in mesh order (eager)."""
         _require_eager("DTensor.local_tensors")
         spec = self._spec
-        lead = len(spec.partial_mesh_dims)
+        shape = _local_block_shape(spec)
         out = []
         for block, coord in zip(dtensor.unpack(self._physical), _root_coordinates(spec.mesh)):
             want, _ = spec.local_shape_and_offset(coord)
-            block = tf.reshape(block, block.shape[lead:])
+            block = tf.reshape(block, shape)  # drops the Partial and multi-mesh-dim axes (size 1 here)
             out.append(tf.slice(block, [0] * len(want), want))
         return out
 
@@ -432,16 +432,29 @@ def _check_stride(stride, shape) -> None:
         )
 
 
+def _local_block_shape(spec: DTensorSpec) -> list[int]:
+    """Per logical dim, the size of one device's (padded) block."""
+    out = []
+    for d, n in enumerate(spec.shape):
+        if d in spec.multi_dims:
+            out.append(spec.leaf_size(d))
+        elif d in spec.shard_mesh_dims:
+            out.append(spec.padded_size(d) // spec.root_shape[spec.shard_mesh_dims[d]])
+        else:
+            out.append(n)
+    return out
+
+
 def _to_physical_block(t: tf.Tensor, spec: DTensorSpec) -> tf.Tensor:
-    """Pads a local shard to its even chunk and adds the Partial axes."""
-    k_of = {d: spec.root_shape[m] for d, m in spec.shard_mesh_dims.items()}
-    pads = [[0, 0] for _ in spec.shape]
-    for d, k in k_of.items():
-        pads[d][1] = spec.padded_size(d) // k - t.shape[d]
+    """Pads a local shard to its block and adds the Partial and multi-mesh-dim axes."""
+    block = _local_block_shape(spec)
+    pads = [[0, b - t.shape[d]] for d, b in enumerate(block)]
     if any(p[1] for p in pads):
         t = tf.pad(t, pads)
-    lead = len(spec.partial_mesh_dims)
-    return tf.reshape(t, [1] * lead + t.shape.as_list()) if lead else t
+    shape = [1] * len(spec.partial_mesh_dims)
+    for d, b in enumerate(block):
+        shape += [1] * (spec.physical_dims(d) - 1) + [b]
+    return tf.reshape(t, shape) if shape != t.shape.as_list() else t
 
 
 def _check_replicas(blocks, coords, spec: DTensorSpec) -> None:

@@ -22,7 +22,7 @@ from tfdist.tensor import _sharding_prop as prop
 from tfdist.tensor._api import DTensor
 from tfdist.tensor._layout import DTensorSpec
 from tfdist.tensor._redistribute import redistribute_physical
-from tfdist.tensor.placement_types import Replicate
+from tfdist.tensor.placement_types import Replicate, Shard
 
 __all__: list[str] = []
 
@@ -43,6 +43,19 @@ def _custom(api_func) -> Callable | None:
 def _root_spec(spec: DTensorSpec) -> DTensorSpec:
     root = spec.mesh.root_mesh
     return spec if spec.mesh is root else DTensorSpec(root, spec.root_placements, spec.shape)
+
+
+def _op_view(spec: DTensorSpec) -> DTensorSpec:
+    """The spec the sharding rules see: a dim sharded over several mesh dims keeps
+    only the outermost one (ops first gather the inner ones, a redistribute)."""
+    spec = _root_spec(spec)
+    if not spec.multi_dims:
+        return spec
+    placements = [
+        Replicate() if isinstance(p, Shard) and p.dim in spec.multi_dims and spec.shard_groups[p.dim][0] != m else p
+        for m, p in enumerate(spec.root_placements)
+    ]
+    return DTensorSpec(spec.mesh, tuple(placements), spec.shape)
 
 
 def _common_mesh(dts: Sequence[DTensor]):
@@ -100,7 +113,7 @@ def _unary(api_func, x):
     custom = _custom(api_func)
     if custom is not None:
         return _call_custom(custom, api_func, x)
-    spec = _root_spec(x._spec)
+    spec = _op_view(x._spec)
     strategy = prop.elementwise_strategy([spec], spec.shape)
     return run_op(api_func, [x], strategy, spec.shape)
 
@@ -129,7 +142,7 @@ def _binary(api_func, x, y):
     x = x if isinstance(x, DTensor) else _scalar_to_dtensor(x, like)
     y = y if isinstance(y, DTensor) else _scalar_to_dtensor(y, like)
     _common_mesh([x, y])
-    specs = [_root_spec(x._spec), _root_spec(y._spec)]
+    specs = [_op_view(x._spec), _op_view(y._spec)]
     out_shape = prop.broadcast_shape([specs[0].shape, specs[1].shape])
     return run_op(api_func, [x, y], prop.elementwise_strategy(specs, out_shape), out_shape)
 
@@ -157,7 +170,7 @@ def _matmul(
             raise ValueError(
                 f"matmul needs operands of rank >= 2. Received: {arg} with shape {tuple(x.shape)}"
             )
-    strategy, out_shape = prop.matmul_strategy(_root_spec(a._spec), _root_spec(b._spec), ta, tb)
+    strategy, out_shape = prop.matmul_strategy(_op_view(a._spec), _op_view(b._spec), ta, tb)
 
     def fn(pa, pb):
         return tf.linalg.matmul(
@@ -211,7 +224,7 @@ def _register_reduction(api):
     def handler(input_tensor: DTensor, axis=None, keepdims=False, name=None):
         if api in CUSTOM_STRATEGIES:
             return CUSTOM_STRATEGIES[api](input_tensor, axis=axis, keepdims=keepdims)
-        spec = _root_spec(input_tensor._spec)
+        spec = _op_view(input_tensor._spec)
         axes = _axes(axis, len(spec.shape))
         out_shape = tuple(
             1 if d in axes else n for d, n in enumerate(spec.shape) if keepdims or d not in axes
@@ -246,7 +259,7 @@ def _reshape(tensor: DTensor, shape, name=None):
         raise ValueError(
             f"cannot reshape a DTensor of shape {tensor._global_shape} into {tuple(new_shape)}."
         )
-    spec = _root_spec(tensor._spec)
+    spec = _op_view(tensor._spec)
     return run_op(lambda x: tf.reshape(x, new_shape), [tensor], prop.reshape_strategy(spec, new_shape), new_shape)
 
 
@@ -258,7 +271,7 @@ def _transpose(a: DTensor, perm=None, conjugate=False, name="transpose"):
     perm = list(range(ndim))[::-1] if perm is None else [int(p) % ndim for p in perm]
     if sorted(perm) != list(range(ndim)):
         raise ValueError(f"perm must be a permutation of 0..{ndim - 1}. Received: perm={perm!r}")
-    spec = _root_spec(a._spec)
+    spec = _op_view(a._spec)
     out_shape = tuple(spec.shape[p] for p in perm)
     return run_op(
         lambda x: tf.transpose(x, perm, conjugate=conjugate), [a],
@@ -272,7 +285,7 @@ def _register_softmax(api):
         if api in CUSTOM_STRATEGIES:
             return CUSTOM_STRATEGIES[api](logits, axis=axis)
         axis = -1 if axis is None else axis
-        spec = _root_spec(logits._spec)
+        spec = _op_view(logits._spec)
         dim = axis % len(spec.shape)
         return run_op(lambda x: api(x, axis=dim), [logits], prop.keep_dims_strategy(spec, [dim]), spec.shape)
 

@@ -19,7 +19,8 @@ from tfdist.device_mesh import DeviceMesh, resolve_mesh
 from tfdist.tensor import _random as _random_lib
 from tfdist.tensor._api import DTensor
 from tfdist.tensor._layout import DTensorSpec, normalize_placements
-from tfdist.tensor.placement_types import Placement
+from tfdist.tensor._redistribute import redistribute_physical
+from tfdist.tensor.placement_types import Placement, Replicate, Shard
 
 __all__ = ["zeros", "ones", "empty", "full", "rand", "randn"]
 
@@ -136,7 +137,13 @@ def _random(caller: str, draw, size, dtype, device_mesh, placements) -> DTensor:
         raise ValueError(f"{caller} cannot create Partial values. Received: placements={placements!r}")
     spec = DTensorSpec(mesh, placements, shape)
     dtype = tf.as_dtype(dtype or tf.float32)
-    return DTensor._wrap(draw(spec, _random_seed(), dtype), spec)
+    if not spec.multi_dims:
+        return DTensor._wrap(draw(spec, _random_seed(), dtype), spec)
+    # a dim over several mesh dims: drawn whole on each device, then sliced locally
+    whole = DTensorSpec(mesh, tuple(
+        Replicate() if isinstance(p, Shard) and p.dim in spec.multi_dims else p for p in placements
+    ), shape)
+    return DTensor._wrap(redistribute_physical(draw(whole, _random_seed(), dtype), whole, spec), spec)
 
 
 def rand(

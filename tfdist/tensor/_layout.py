@@ -13,6 +13,13 @@ TF DTensor that encodes them:
   ``ceil(n / k) * k`` and sharded evenly.  Device ``i`` then holds global
   rows ``[i*c, (i+1)*c)`` with ``c = ceil(n / k)``, which is exactly
   ``torch.chunk``; rows past ``n`` are padding that no result ever exposes.
+* ``Shard(d)`` on several mesh dims ``m1 < ... < mr`` (torch's nesting: d is
+  chunked over m1, each piece over m2, ...): dim ``d`` becomes ``r + 1``
+  physical dims ``[k1, ..., kr, c]`` laid out ``(m1, ..., mr, unsharded)``,
+  ``c`` the largest leaf chunk.  Entry ``[i1, ..., ir]`` is the leaf chunk of
+  the device at those coordinates, padded to ``c``; ``leaf_index`` maps it to
+  global rows (a static gather index, so building and reading it is one
+  local ``tf.gather``).
 
 Everything else maps one-to-one: ``Shard(d)`` on mesh dim ``m`` puts ``m``'s
 name in the layout's entry ``d``, ``Replicate`` leaves it unsharded.
@@ -25,6 +32,7 @@ import functools
 import math
 from typing import Sequence
 
+import numpy as np
 from tensorflow.experimental import dtensor
 
 from tfdist.device_mesh import DeviceMesh
@@ -37,6 +45,7 @@ __all__ = [
     "chunk_size",
     "placements_from_tf_layout",
     "to_root_placements",
+    "nested_chunks",
 ]
 
 
@@ -90,15 +99,17 @@ def normalize_placements(
                 )
             p = Shard(p.dim % ndim)
         out.append(p)
-    sharded = [p.dim for p in out if isinstance(p, Shard)]
-    if len(sharded) != len(set(sharded)):
-        raise NotImplementedError(
-            "sharding one tensor dim over several mesh dims is not supported: a "
-            "TF DTensor layout shards each tensor dim over at most one mesh dim. "
-            f"Received: placements={placements!r}. Shard different tensor dims, "
-            "or flatten the mesh dims into one."
-        )
     return tuple(out)
+
+
+def nested_chunks(n: int, ks: Sequence[int]) -> list[tuple[int, int]]:
+    """(offset, size) of every leaf when ``n`` rows are chunked over ``ks[0]``, each piece
+    over ``ks[1]``, ... (torch.chunk at each level), leaves in row-major coordinate order."""
+    leaves = [(0, n)]
+    for k in ks:
+        leaves = [(start + off, size) for start, n_piece in leaves
+                  for size, off in (_shard_extent(n_piece, k, i) for i in range(k))]
+    return leaves
 
 
 def to_root_placements(
@@ -143,11 +154,64 @@ class DTensorSpec:
         return self.mesh.root_mesh.shape
 
     @functools.cached_property
+    def shard_groups(self) -> dict[int, tuple[int, ...]]:
+        """Tensor dim -> the root mesh dims that shard it, outermost (lowest) first."""
+        groups: dict[int, tuple[int, ...]] = {}
+        for m, p in enumerate(self.root_placements):
+            if isinstance(p, Shard):
+                groups[p.dim] = groups.get(p.dim, ()) + (m,)
+        return groups
+
+    @functools.cached_property
     def shard_mesh_dims(self) -> dict[int, int]:
-        """Tensor dim -> root mesh dim that shards it."""
-        return {
-            p.dim: m for m, p in enumerate(self.root_placements) if isinstance(p, Shard)
-        }
+        """Tensor dim -> root mesh dim, for dims sharded over exactly one mesh dim."""
+        return {d: g[0] for d, g in self.shard_groups.items() if len(g) == 1}
+
+    @functools.cached_property
+    def multi_dims(self) -> tuple[int, ...]:
+        """Tensor dims sharded over several mesh dims."""
+        return tuple(sorted(d for d, g in self.shard_groups.items() if len(g) > 1))
+
+    def _leaves(self, d: int) -> list[tuple[int, int]]:
+        return nested_chunks(self.shape[d], [self.root_shape[m] for m in self.shard_groups[d]])
+
+    def leaf_size(self, d: int) -> int:
+        """The padded leaf chunk of a multi-mesh-dim dim (its last physical dim)."""
+        return max(size for _, size in self._leaves(d))
+
+    def leaf_index(self, d: int) -> np.ndarray:
+        """For a multi-mesh-dim dim: int array ``[k1, ..., kr, c]`` of the global row each
+        physical entry holds (``n`` marks padding)."""
+        c = self.leaf_size(d)
+        index = [[start + t if t < size else self.shape[d] for t in range(c)] for start, size in self._leaves(d)]
+        ks = [self.root_shape[m] for m in self.shard_groups[d]]
+        return np.asarray(index, dtype=np.int32).reshape(ks + [c])
+
+    def piece_indices(self, d: int) -> tuple[np.ndarray, np.ndarray]:
+        """For a multi-mesh-dim dim, the local index maps between one outer piece and its leaves.
+
+        ``to_leaves[i]`` (``[K * c]``, K the inner devices) picks, from piece
+        ``i`` padded to ``c1`` rows plus one pad row, the leaf chunks of its
+        inner devices; ``to_piece[i]`` (``[c1]``) picks, from those leaves
+        flattened plus one pad slot, the piece's rows back.
+        """
+        group = self.shard_groups[d]
+        n, k1, inner = self.shape[d], self.root_shape[group[0]], [self.root_shape[m] for m in group[1:]]
+        c1, c = chunk_size(n, k1), self.leaf_size(d)
+        slots = math.prod(inner) * c
+        to_leaves = np.full((k1, slots), c1, np.int32)
+        to_piece = np.full((k1, c1), slots, np.int32)
+        for i in range(k1):
+            size_i, _ = _shard_extent(n, k1, i)
+            for leaf, (off, size) in enumerate(nested_chunks(size_i, inner)):
+                rows = np.arange(size)
+                to_leaves[i, leaf * c + rows] = off + rows
+                to_piece[i, off + rows] = leaf * c + rows
+        return to_leaves, to_piece
+
+    def physical_dims(self, d: int) -> int:
+        """How many physical dims logical dim ``d`` occupies."""
+        return len(self.shard_groups[d]) + 1 if d in self.multi_dims else 1
 
     @functools.cached_property
     def partial_mesh_dims(self) -> tuple[int, ...]:
@@ -169,8 +233,13 @@ class DTensorSpec:
 
     @functools.cached_property
     def physical_shape(self) -> tuple[int, ...]:
-        lead = tuple(self.root_shape[m] for m in self.partial_mesh_dims)
-        return lead + tuple(self.padded_size(d) for d in range(len(self.shape)))
+        shape = [self.root_shape[m] for m in self.partial_mesh_dims]
+        for d in range(len(self.shape)):
+            if d in self.multi_dims:
+                shape += [self.root_shape[m] for m in self.shard_groups[d]] + [self.leaf_size(d)]
+            else:
+                shape.append(self.padded_size(d))
+        return tuple(shape)
 
     @functools.cached_property
     def tf_layout(self) -> dtensor.Layout:
@@ -181,8 +250,10 @@ class DTensorSpec:
     ) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Logical local shape and global offset of the device at a root coordinate."""
         shape, offset = list(self.shape), [0] * len(self.shape)
-        for d, m in self.shard_mesh_dims.items():
-            shape[d], offset[d] = _shard_extent(self.shape[d], self.root_shape[m], root_coordinate[m])
+        for d, group in self.shard_groups.items():
+            for m in group:  # torch.chunk at each level of the nesting
+                size, start = _shard_extent(shape[d], self.root_shape[m], root_coordinate[m])
+                shape[d], offset[d] = size, offset[d] + start
         return tuple(shape), tuple(offset)
 
     def __repr__(self) -> str:
@@ -196,11 +267,14 @@ def physical_layout(
     """The TF layout of the physical encoding of ``root_placements``."""
     names = root.axis_names
     specs = [names[m] for m, p in enumerate(root_placements) if p.is_partial()]
-    per_dim = [dtensor.UNSHARDED] * ndim
+    per_dim: list[list[str]] = [[] for _ in range(ndim)]
     for m, p in enumerate(root_placements):
         if isinstance(p, Shard):
-            per_dim[p.dim] = names[m]
-    return dtensor.Layout(specs + per_dim, root.to_tf())
+            per_dim[p.dim].append(names[m])
+    for names_d in per_dim:
+        # one mesh dim: the dim itself; several: one physical dim each, then the leaf
+        specs += names_d if len(names_d) == 1 else names_d + [dtensor.UNSHARDED] if names_d else [dtensor.UNSHARDED]
+    return dtensor.Layout(specs, root.to_tf())
 
 
 def placements_from_tf_layout(layout: dtensor.Layout) -> tuple[Placement, ...]:

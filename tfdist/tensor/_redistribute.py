@@ -32,6 +32,7 @@ import math
 import os
 from typing import Sequence
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
@@ -349,7 +350,11 @@ def _cheapest(src: DTensorSpec, dst: DTensorSpec, itemsize: int) -> tuple[bool, 
 
 def plan_redistribute(src: DTensorSpec, dst: DTensorSpec, itemsize: int = 4) -> list[TransformStep]:
     """The steps a redistribute runs, each with its collective and bytes per device."""
-    return _run(None, src, dst, itemsize, _cheapest(src, dst, itemsize)).steps
+    if src.root_placements == dst.root_placements:
+        return []
+    _, src, first = _collapse(None, src, itemsize) if src.multi_dims else (None, src, [])
+    inner = _outer_only(dst)
+    return first + _run(None, src, inner, itemsize, _cheapest(src, inner, itemsize)).steps
 
 
 def relayout(x: tf.Tensor, layout: dtensor.Layout, source: dtensor.Layout | None = None) -> tf.Tensor:
@@ -371,13 +376,105 @@ def relayout(x: tf.Tensor, layout: dtensor.Layout, source: dtensor.Layout | None
     return dtensor.relayout(x, layout)
 
 
+def _outer_only(spec: DTensorSpec) -> DTensorSpec:
+    """``spec`` with each multi-mesh-dim dim sharded on its outermost mesh dim only."""
+    root = spec.mesh.root_mesh
+    placements = tuple(
+        Replicate() if isinstance(p, Shard) and p.dim in spec.multi_dims and spec.shard_groups[p.dim][0] != m else p
+        for m, p in enumerate(spec.root_placements)
+    )
+    return DTensorSpec(root, placements, spec.shape)
+
+
+def _physical_start(spec: DTensorSpec, d: int) -> int:
+    return len(spec.partial_mesh_dims) + sum(spec.physical_dims(i) for i in range(d))
+
+
+def _gather_pieces(x: tf.Tensor, axis: int, index: np.ndarray, specs: list[str], mesh) -> tf.Tensor:
+    """Per outer piece (physical ``axis``, sharded or not), a local gather along ``axis + 1``.
+
+    ``x`` holds ``[k1, rows]`` at ``axis``; one zero row is appended to
+    ``axis + 1`` (the pad slot), the two axes go to the front (a local
+    transpose), ``tf.gather(..., batch_dims=1)`` picks each piece's rows, and
+    the axes go back.  No collective: each device only reads its own piece.
+    """
+    pads = [[0, 0] for _ in x.shape]
+    pads[axis + 1][1] = 1
+    x = dtensor.relayout(tf.pad(x, pads), dtensor.Layout(specs, mesh))  # pinned (see _Program.resize)
+    rank = x.shape.rank
+    perm = [axis, axis + 1] + [i for i in range(rank) if i not in (axis, axis + 1)]
+    front = dtensor.relayout(tf.transpose(x, perm), dtensor.Layout([specs[i] for i in perm], mesh))
+    picked = tf.gather(front, index, axis=1, batch_dims=1)
+    back = [perm.index(i) for i in range(rank)]
+    return dtensor.relayout(tf.transpose(picked, back), dtensor.Layout(specs, mesh))
+
+
+def _collapse(x: tf.Tensor | None, src: DTensorSpec, itemsize: int) -> tuple[tf.Tensor | None, DTensorSpec, list[TransformStep]]:
+    """Dims sharded over several mesh dims -> sharded on the outermost one only: one
+    all-gather per inner mesh dim, then a local gather that puts each device's
+    leaves back in the order of its outer piece."""
+    prog = _Program(x, src, itemsize)
+    for d in src.multi_dims:
+        start = _physical_start(src, d)
+        for i, m in reversed(list(enumerate(src.shard_groups[d]))[1:]):
+            prog.all_gather(m, start + i)
+            prog.steps[-1] = dataclasses.replace(prog.steps[-1], src=Shard(d))
+    new = _outer_only(src)
+    x = prog.x
+    if x is not None:
+        mesh = src.mesh.root_mesh.to_tf()
+        specs = list(prog.specs)
+        for d in reversed(src.multi_dims):  # later dims first: earlier positions stay put
+            start, width = _physical_start(src, d), src.physical_dims(d)
+            shape = x.shape.as_list()
+            merged = shape[:start + 1] + [int(np.prod(shape[start + 1:start + width]))] + shape[start + width:]
+            specs[start:start + width] = [specs[start], dtensor.UNSHARDED]
+            x = dtensor.relayout(tf.reshape(x, merged), dtensor.Layout(specs, mesh))
+            x = _gather_pieces(x, start, src.piece_indices(d)[1], specs, mesh)
+            shape = x.shape.as_list()
+            x = tf.reshape(x, shape[:start] + [shape[start] * shape[start + 1]] + shape[start + 2:])
+            specs[start:start + 2] = [specs[start]]
+            x = dtensor.relayout(x, dtensor.Layout(specs, mesh))
+        x = dtensor.relayout(x, new.tf_layout)
+    return x, new, prog.steps
+
+
+def _expand(x: tf.Tensor, outer: DTensorSpec, dst: DTensorSpec) -> tf.Tensor:
+    """Dims sharded on their outermost mesh dim -> sharded over all of theirs: per device,
+    a local gather of its piece's leaf chunks, then a local shard on the inner mesh dims."""
+    mesh = outer.mesh.root_mesh.to_tf()
+    specs = list(outer.tf_layout.sharding_specs)
+    for d in reversed(dst.multi_dims):  # later dims first: earlier positions stay put
+        start = _physical_start(outer, d)
+        group = dst.shard_groups[d]
+        k1 = dst.root_shape[group[0]]
+        shape = x.shape.as_list()
+        x = tf.reshape(x, shape[:start] + [k1, shape[start] // k1] + shape[start + 1:])
+        specs[start:start + 1] = [specs[start], dtensor.UNSHARDED]
+        x = dtensor.relayout(x, dtensor.Layout(specs, mesh))
+        x = _gather_pieces(x, start, dst.piece_indices(d)[0], specs, mesh)
+        shape = x.shape.as_list()
+        leaves = [dst.root_shape[m] for m in group[1:]] + [dst.leaf_size(d)]
+        x = tf.reshape(x, shape[:start + 1] + leaves + shape[start + 2:])
+        specs[start + 1:start + 2] = [dtensor.UNSHARDED] * len(leaves)
+        x = dtensor.relayout(x, dtensor.Layout(specs, mesh))
+    return dtensor.relayout(x, dst.tf_layout)
+
+
 def redistribute_physical(x: tf.Tensor, src: DTensorSpec, dst: DTensorSpec) -> tf.Tensor:
-    """Returns the physical tensor for ``dst`` holding the same global values as ``x``."""
+    """Returns the physical tensor for ``dst`` holding the same global values as ``x``.
+
+    A dim sharded over several mesh dims is first gathered on its inner mesh
+    dims (one all-gather each) and, in the target, sharded on them last by a
+    local gather and slice: in between it is sharded on its outermost one.
+    """
     if src.root_placements == dst.root_placements:
         return x
     check_transition(src, dst)
     itemsize = x.dtype.size
-    prog = _run(x, src, dst, itemsize, _cheapest(src, dst, itemsize))
+    x, src, _ = _collapse(x, src, itemsize) if src.multi_dims else (x, src, [])
+    inner = _outer_only(dst)
+    prog = _run(x, src, inner, itemsize, _cheapest(src, inner, itemsize))
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug("redistribute %s: %s", src.shape, "; ".join(map(str, prog.steps)) or "local")
-    return prog.x
+    return _expand(prog.x, inner, dst) if dst.multi_dims else prog.x

@@ -29,7 +29,6 @@ from typing import Iterator
 import tensorflow as tf
 from tensorflow.python.eager import context
 
-
 __all__ = ["CommDebugMode", "classify_kernel"]
 
 # TF op type (or NCCL/XLA kernel name, lower-cased) -> torch's functional-collective name

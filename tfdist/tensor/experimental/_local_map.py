@@ -40,6 +40,12 @@ def _to_stacked(x: DTensor, device_dims: Sequence[int]) -> tuple[tf.Tensor, list
     """Physical -> (stacked view, mesh dims that have a leading axis, in mesh order)."""
     spec = x._spec
     root = spec.mesh.root_mesh
+    if spec.multi_dims:
+        raise ValueError(
+            "local_map needs each tensor dim sharded over at most one mesh dim. Received a "
+            f"DTensor with placements {spec.placements}; redistribute it first, e.g. to "
+            "keep only the outermost Shard of that dim."
+        )
     if spec.uneven_dims:
         raise ValueError(
             "local_map needs evenly divisible shards: a vectorised per-device call "
