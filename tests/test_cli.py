@@ -38,3 +38,46 @@ def test_info_lists_devices_and_versions():
     assert "device type    cpu" in out.stdout
     assert "local devices  4" in out.stdout
     assert "tensorflow     2.21" in out.stdout and "keras          3." in out.stdout
+
+
+def test_version_and_help_read_as_plain_text():
+    version = _tfdist("--version")
+    assert version.returncode == 0 and version.stdout.startswith("tfdist 0."), version
+    help_text = _tfdist("--help").stdout
+    assert "``" not in help_text and "demo" in help_text
+    run_help = _tfdist("run", "--help").stdout
+    assert "(default: 29500)" in run_help and "example: tfdist run --nproc-per-node 2" in run_help
+
+
+def test_launcher_port_check_ignores_time_wait(tmp_path):
+    """A finished run leaves its ports in TIME_WAIT; starting again right away must work."""
+    import socket
+
+    from tfdist.run import _check, build_parser
+
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    server.listen(1)
+    client = socket.create_connection(("127.0.0.1", port))
+    conn, _ = server.accept()
+    conn.close()  # the side that closes first keeps the port in TIME_WAIT
+    server.close()
+    client.close()
+    script = tmp_path / "job.py"
+    script.write_text("print('hi')\n")
+    parser = build_parser()
+    args = parser.parse_args(["--master-port", str(port), str(script)])
+    assert _check(args, parser) == ["127.0.0.1"]
+    busy = socket.socket()  # a live listener still blocks the port
+    busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    busy.bind(("", port))
+    busy.listen(1)
+    try:
+        import pytest
+
+        with pytest.raises(SystemExit):
+            _check(parser.parse_args(["--master-port", str(port), str(script)]), parser)
+    finally:
+        busy.close()

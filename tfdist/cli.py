@@ -135,6 +135,16 @@ def _demo_gpt(mesh) -> None:
     print(f"   collectives in one train step (per device, as TF ran them): {comm.get_comm_counts()}")
 
 
+def _version() -> str:
+    """The installed version, read without importing TensorFlow."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("tfdist")
+    except metadata.PackageNotFoundError:  # pragma: no cover - a source tree without install
+        return "unknown"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``tfdist`` console command."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -142,7 +152,10 @@ def main(argv: list[str] | None = None) -> int:
         from tfdist.run import main as run_main  # lazy: the launcher never loads TensorFlow
 
         return run_main(argv[1:])
-    parser = argparse.ArgumentParser(prog="tfdist", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="tfdist", description="The tfdist command: demo, info and run (the launcher)."
+    )
+    parser.add_argument("--version", action="version", version=f"tfdist {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("run", help="start a multi-client program, torchrun-style (see tfdist run --help)")
     demo = sub.add_parser("demo", help="DTensor basics, then a Keras GPT trained with model.fit, on 8 virtual CPUs")

@@ -34,7 +34,12 @@ _GRACE_SECONDS = 5.0
 
 
 def build_parser(prog: str = "tfdist run") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description="Start a multi-client tfdist program.")
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Start a multi-client tfdist program, as torchrun does: one process per client.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="example: tfdist run --nproc-per-node 2 --devices-per-proc 4 train.py --epochs 3",
+    )
     parser.add_argument("--nproc-per-node", type=int, default=1, help="processes (clients) on this node")
     parser.add_argument("--nnodes", type=int, default=1, help="number of nodes")
     parser.add_argument("--node-rank", type=int, default=0, help="this node's index")
@@ -77,6 +82,8 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[st
     for local_rank in range(args.nproc_per_node):
         port = args.master_port + args.node_rank * args.nproc_per_node + local_rank
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            # as a server binds: sockets of a finished run left in TIME_WAIT do not block the port
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 sock.bind(("", port))
             except OSError:

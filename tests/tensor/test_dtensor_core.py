@@ -231,3 +231,10 @@ def test_seeding_like_torch():
     np.testing.assert_array_equal(b2, a2)
     with pytest.raises(TypeError, match="seed must be an int"):
         tfdist.manual_seed("1234")
+
+
+def test_repr_has_no_stray_comma(mesh_2d):
+    d = distribute_tensor(np.ones((4, 4), np.float32), mesh_2d, [Shard(0), Shard(1)])
+    assert repr(d).endswith("placements=(Shard(dim=0), Shard(dim=1)))")
+    one = distribute_tensor(np.ones(4, np.float32), MESHES[(8,)], [Shard(0)])
+    assert repr(one).endswith("placements=(Shard(dim=0),))")  # a 1-tuple, as Python writes it

@@ -168,7 +168,7 @@ class DTensor(tf.experimental.ExtensionType):
         placements = ", ".join(repr(p) for p in self.placements)
         return (
             f"DTensor(shape={list(self._global_shape)}, dtype={self.dtype.name}, "
-            f"device_mesh={self.device_mesh!r}, placements=({placements},))"
+            f"device_mesh={self.device_mesh!r}, placements=({placements}{',' if len(self.placements) == 1 else ''}))"
         )
 
     # -- interop with raw TF DTensor ---------------------------------------------
