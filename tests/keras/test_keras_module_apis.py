@@ -69,3 +69,28 @@ def test_context_parallel_attention_is_exact(causal):
     with pytest.raises(ValueError, match="one entry per buffer"):
         with context_parallel(mesh["cp"], buffers=[x], buffer_seq_dims=[]):
             pass
+
+
+def test_layouts_are_visible_on_keras_variables(capsys):
+    """visualize_sharding takes a Keras weight; tfdist.keras.summary lists every variable."""
+    import keras
+
+    import tfdist
+    import tfdist.keras
+    from tfdist.models import MLP, mlp_tp_plan
+    from tfdist.tensor.debug import visualize_sharding
+    from tfdist.tensor.parallel import parallelize_module
+
+    mesh = tfdist.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+    keras.utils.set_random_seed(0)
+    model = MLP(8, 32)
+    model(np.zeros((4, 8), np.float32))
+    parallelize_module(model, mesh["tp"], mlp_tp_plan())
+    table = visualize_sharding(model.up.kernel)
+    assert "(R, S(1))" in table and "cpu:5" in table and "0:8    8:16" in table  # tp coordinate 1
+    text = tfdist.keras.summary(model, print_fn=lambda _: None)
+    up = next(line for line in text.splitlines() if line.startswith(model.up.kernel.path))
+    assert "(8, 32)" in up and "dp: R, tp: S(1)" in up and up.endswith(f"{8 * 32 // 4 * 4:,}")
+    assert f"total bytes per device: {(8 * 32 // 4 + 32 // 4 + 32 * 8 // 4 + 8) * 4:,}" in text
+    with pytest.raises(TypeError, match="lives on one device"):
+        visualize_sharding(np.ones(3))

@@ -41,5 +41,6 @@ _trainer.install()
 
 from tfdist.keras import _modules  # noqa: E402,F401  (registers the Keras ModuleBackend)
 from tfdist.keras._layout_map import LayoutMap  # noqa: E402
+from tfdist.keras._summary import summary  # noqa: E402
 
-__all__ = ["LayoutMap"]
+__all__ = ["LayoutMap", "summary"]

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import tensorflow as tf
+from tensorflow.experimental import dtensor as dtensor_api
+
 from tfdist.tensor._api import DTensor
 
 __all__ = ["visualize_sharding"]
@@ -28,10 +33,31 @@ def sharding_table(dt: DTensor) -> list[list[str]]:
     return rows
 
 
-def visualize_sharding(dtensor: DTensor, header: str = "") -> str:
+def _as_dtensor(value: Any) -> DTensor:
+    """A tfdist DTensor, or a TF DTensor / variable on a mesh (a Keras variable) viewed as one."""
+    if isinstance(value, DTensor):
+        return value
+    try:
+        tensor = tf.convert_to_tensor(value)
+    except (TypeError, ValueError) as err:
+        raise TypeError(
+            "visualize_sharding expects a tfdist DTensor, a TF DTensor or a variable on a mesh. "
+            f"Received: {type(value).__name__}"
+        ) from err
+    if not dtensor_api.is_dtensor(tensor):
+        raise TypeError(
+            "visualize_sharding expects a value laid out on a mesh; this one lives on one device "
+            f"(a {type(value).__name__} with no layout). Distribute it first."
+        )
+    return DTensor.from_tf(tensor)
+
+
+def visualize_sharding(dtensor: DTensor | Any, header: str = "") -> str:
     """Prints (and returns) a table of the slice each device holds.
 
-    Works in a terminal and in a notebook (plain monospaced text).
+    Works in a terminal and in a notebook (plain monospaced text).  Takes a
+    tfdist DTensor, a raw TF DTensor, or a variable laid out on a mesh (such
+    as a Keras weight of a parallelized model).
 
     Example (6x8 tensor, [Shard(0), Shard(1)] on a 2x4 mesh)::
 
@@ -40,10 +66,7 @@ def visualize_sharding(dtensor: DTensor, header: str = "") -> str:
         cpu:1   (0, 1)  0:3    2:4
         ...
     """
-    if not isinstance(dtensor, DTensor):
-        raise TypeError(
-            f"visualize_sharding expects a tfdist DTensor. Received: {type(dtensor).__name__}"
-        )
+    dtensor = _as_dtensor(dtensor)
     rows = sharding_table(dtensor)
     has_partial = any(r[-1] for r in rows)
     head = ["device", "coord"] + [f"dim {d}" for d in range(dtensor.ndim)]
