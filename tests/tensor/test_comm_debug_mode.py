@@ -72,7 +72,11 @@ def test_megatron_mlp_forward_has_one_all_reduce():
     mlp(x, w1, w2)
     with CommDebugMode() as comm:
         y = mlp(x, w1, w2)
-    np.testing.assert_array_equal(y.numpy(), np.full((8, 16), 16.0 * 32))
+    assert tuple(y.placements) == (Shard(0), Partial())  # the row-parallel product stays Partial (torch)
+    assert comm.get_comm_counts() == {}
+    with CommDebugMode() as comm:
+        full = y.redistribute(MESH, [Shard(0), Replicate()])
+    np.testing.assert_array_equal(full.numpy(), np.full((8, 16), 16.0 * 32))
     assert comm.get_comm_counts() == {"all_reduce": 1}
 
 

@@ -9,6 +9,7 @@ import tensorflow as tf
 from conftest import make_mesh
 from reference import assert_dtensor_equal
 from tfdist.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from tfdist.tensor.debug import CommDebugMode
 
 MESH = make_mesh((2, 4))
 MESH_42 = make_mesh((4, 2))
@@ -33,15 +34,19 @@ def test_seed_matmul_fully_replicated():
     assert_dtensor_equal(np.array([[20, 14], [56, 41]], np.float32), (Replicate(), Replicate()), c)
 
 
-def test_seed_matmul_contraction_sharded_gives_replicated_result():
+def test_seed_matmul_contraction_sharded_gives_partial_result():
     # Seed 004 on 6 devices shards K=3 over x=3; here K=4 over dp=4 of a 4x2 mesh.
     a_np, b_np = rand(2, 4), rand(4, 2)
     a = distribute_tensor(a_np, MESH_42, [Shard(1), Replicate()])
     b = distribute_tensor(b_np, MESH_42, [Shard(0), Replicate()])
-    # each device multiplies a 2x1 block by a 1x2 block: a quarter of the work
+    # each device multiplies a 2x1 block by a 1x2 block: a quarter of the work,
+    # and the sum of the four products stays pending, as torch's Partial
     assert tuple(a.to_local().shape) == (2, 1) and tuple(b.to_local().shape) == (1, 2)
     for c in both_modes(lambda: tf.matmul(a, b)):
-        assert_dtensor_equal(a_np @ b_np, (Replicate(), Replicate()), c, rtol=1e-5)
+        assert_dtensor_equal(a_np @ b_np, (Partial(), Replicate()), c, rtol=1e-5)
+    with CommDebugMode() as comm:
+        tf.matmul(a, b)
+    assert comm.get_comm_counts() == {}
 
 
 def test_seed_matmul_extra_sharding_carries_to_result():
@@ -49,13 +54,13 @@ def test_seed_matmul_extra_sharding_carries_to_result():
     a = distribute_tensor(a_np, MESH_42, [Shard(1), Shard(0)])  # layout ['y', 'x']
     b = distribute_tensor(b_np, MESH_42, [Shard(0), Replicate()])
     for c in both_modes(lambda: tf.matmul(a, b)):
-        assert_dtensor_equal(a_np @ b_np, (Replicate(), Shard(0)), c, rtol=1e-5)
+        assert_dtensor_equal(a_np @ b_np, (Partial(), Shard(0)), c, rtol=1e-5)
 
 
 @pytest.mark.parametrize("pa, pb, out", [
     ((Shard(0), Replicate()), (Replicate(), Shard(1)), (Shard(0), Shard(1))),   # rows x cols
-    ((Replicate(), Shard(1)), (Replicate(), Shard(0)), (Replicate(), Replicate())),  # contraction
-    ((Shard(0), Shard(1)), (Replicate(), Replicate()), (Shard(0), Replicate())),  # b sliced to match
+    ((Replicate(), Shard(1)), (Replicate(), Shard(0)), (Replicate(), Partial())),  # contraction: Partial
+    ((Shard(0), Shard(1)), (Replicate(), Replicate()), (Shard(0), Partial())),  # b sliced to match
     ((Replicate(), Replicate()), (Shard(1), Replicate()), (Shard(1), Replicate())),
 ])
 def test_matmul_rules(pa, pb, out):
@@ -79,7 +84,7 @@ def test_matmul_uneven_and_transposed_and_batched():
     x_np, w_np = rand(4, 6, 8), rand(4, 8, 3)
     x = distribute_tensor(x_np, MESH, [Shard(0), Shard(2)])
     w = distribute_tensor(w_np, MESH, [Shard(0), Shard(1)])
-    assert_dtensor_equal(x_np @ w_np, (Shard(0), Replicate()), x @ w, rtol=1e-4, atol=1e-5)
+    assert_dtensor_equal(x_np @ w_np, (Shard(0), Partial()), x @ w, rtol=1e-4, atol=1e-5)
 
 
 def test_elementwise_broadcast_and_scalars():

@@ -23,7 +23,7 @@ import tensorflow as tf
 import tfdist
 from conftest import make_mesh
 from reference import coords, expected_shard
-from tfdist.tensor import DTensor, Partial, Replicate, Shard
+from tfdist.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from tfdist.tensor.debug import CommDebugMode, explain_redistribute
 
 MESH_1D = tfdist.DeviceMesh("cpu", [0, 1, 2, 3], mesh_dim_names=("x",))
@@ -176,13 +176,14 @@ KNOWN_EXCESS = {
 }
 
 
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
 @pytest.mark.parametrize("case", CASES, ids=_id)
-def test_executed_collectives_are_the_plan_and_no_more_bytes_than_torch(case):
+def test_executed_collectives_are_the_plan_and_no_more_bytes_than_torch(case, graph):
     mesh, src, dst = case
     x = np.random.default_rng(2).standard_normal((8, 16)).astype(np.float32)
     d = make_source(x, mesh, src)
-    move = tf.function(lambda t: t.redistribute(mesh, dst))
-    move(d)  # trace outside the counted window
+    move = tf.function(lambda t: t.redistribute(mesh, dst)) if graph else (lambda t: t.redistribute(mesh, dst))
+    move(d)  # trace (and compile the eager ops) outside the counted window
     with CommDebugMode() as comm:
         move(d)
     steps = explain_redistribute(d, mesh, dst)
@@ -226,3 +227,19 @@ def test_gathering_two_mesh_dims_is_two_all_gathers():
         full = tf.function(lambda t: t.full_tensor())(d)
     np.testing.assert_array_equal(full.numpy(), x)
     assert comm.get_comm_counts() == {"all_gather_into_tensor": 2}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16", "int32", "int64", "int16", "uint16",
+                                   "uint32", "int8", "bool"])
+def test_all_gather_of_every_dtype(dtype):
+    """Bits are gathered exactly; types TF gathers natively or carries bitwise use CollectiveGatherV2."""
+    x = (np.arange(8 * 3).reshape(8, 3) % 7 > 2) if dtype == "bool" else np.arange(8 * 3).reshape(8, 3) % 100
+    x = tf.cast(tf.constant(x), dtype)
+    d = distribute_tensor(x, MESH_1D, [Shard(0)])
+    fn = tf.function(lambda t: t.full_tensor())
+    fn(d)
+    with CommDebugMode() as comm:
+        out = fn(d)
+    np.testing.assert_array_equal(out.numpy(), x.numpy())
+    fallback = dtype in ("int8", "bool")  # 1-byte types: TF's padded all-reduce
+    assert comm.get_comm_counts() == ({"all_reduce": 1} if fallback else {"all_gather_into_tensor": 1})

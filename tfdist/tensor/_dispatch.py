@@ -20,9 +20,9 @@ from tensorflow.experimental import dtensor
 
 from tfdist.tensor import _sharding_prop as prop
 from tfdist.tensor._api import DTensor
-from tfdist.tensor._layout import DTensorSpec
+from tfdist.tensor._layout import DTensorSpec, physical_layout
 from tfdist.tensor._redistribute import redistribute_physical
-from tfdist.tensor.placement_types import Replicate, Shard
+from tfdist.tensor.placement_types import Partial, Replicate, Shard
 
 __all__: list[str] = []
 
@@ -93,12 +93,21 @@ def run_op(
     """Redistributes ``dts`` to the strategy's inputs, runs ``fn`` on the physical tensors."""
     targets, out_root = strategy
     mesh = _common_mesh(dts)
+    y = fn(*_inputs_as(dts, targets))
+    return _wrap_output(y, mesh, out_root, out_shape)
+
+
+def _inputs_as(dts: Sequence[DTensor], targets) -> list[tf.Tensor]:
+    """The physical tensors of ``dts`` redistributed to the strategy's input placements."""
     physicals = []
     for dt, target in zip(dts, targets):
         src = _root_spec(dt._spec)
         dst = DTensorSpec(src.mesh, tuple(target), src.shape)
         physicals.append(redistribute_physical(dt._physical, src, dst))
-    y = fn(*physicals)
+    return physicals
+
+
+def _wrap_output(y: tf.Tensor, mesh, out_root, out_shape) -> DTensor:
     root = mesh.root_mesh
     if mesh is not root and all(out_root[m].is_replicate() for m in range(root.ndim) if m not in mesh.root_dims):
         out_spec = DTensorSpec(mesh, tuple(out_root[m] for m in mesh.root_dims), tuple(out_shape))
@@ -171,6 +180,9 @@ def _matmul(
                 f"matmul needs operands of rank >= 2. Received: {arg} with shape {tuple(x.shape)}"
             )
     strategy, out_shape = prop.matmul_strategy(_op_view(a._spec), _op_view(b._spec), ta, tb)
+    partial = _contraction_mesh_dim(a, b, strategy, ta, output_type)
+    if partial is not None:
+        return _matmul_to_partial(a, b, strategy, out_shape, partial, transpose_a, transpose_b, adjoint_a, adjoint_b)
 
     def fn(pa, pb):
         return tf.linalg.matmul(
@@ -179,6 +191,61 @@ def _matmul(
         )
 
     return run_op(fn, [a, b], strategy, out_shape)
+
+
+def _contraction_mesh_dim(a: DTensor, b: DTensor, strategy, ta: bool, output_type) -> int | None:
+    """The mesh dim that shards the contracted dim, when the product can stay Partial."""
+    (target_a, _), _ = strategy
+    k_dim = a.ndim - 2 if ta else a.ndim - 1
+    same_batch = a.ndim == b.ndim and tuple(a.shape[:-2]) == tuple(b.shape[:-2])
+    if output_type is not None or not same_batch:
+        return None  # broadcast batch dims: TF's matmul with its in-op all-reduce
+    return next((m for m, p in enumerate(target_a) if p.is_shard(k_dim)), None)
+
+
+def _matmul_to_partial(a, b, strategy, out_shape, m, transpose_a, transpose_b, adjoint_a, adjoint_b) -> DTensor:
+    """``a @ b`` with the contracted dim sharded on mesh dim ``m``: each device multiplies its
+    own blocks and the result is ``Partial("sum")`` on ``m`` -- no communication, as in torch.
+
+    The contracted dim is split into ``[k, K/k]`` (k sharded on m, a local
+    reshape) and the per-device products are stacked on a leading axis: the
+    physical form of a Partial.
+    """
+    targets, out_root = strategy
+    mesh = _common_mesh([a, b])
+    root = mesh.root_mesh
+    tf_mesh = root.to_tf()
+    pa, pb = _inputs_as([a, b], targets)
+    if transpose_a or adjoint_a:
+        pa = tf.linalg.adjoint(pa) if adjoint_a else tf.linalg.matrix_transpose(pa)
+    if transpose_b or adjoint_b:
+        pb = tf.linalg.adjoint(pb) if adjoint_b else tf.linalg.matrix_transpose(pb)
+    k = root.shape[m]
+    rank = pa.shape.rank
+    shape_a, shape_b = pa.shape.as_list(), pb.shape.as_list()
+    la = _contracted_layout(targets[0], root, rank, rank - 1, transpose_a or adjoint_a)
+    lb = _contracted_layout(targets[1], root, rank, rank - 2, transpose_b or adjoint_b)
+    pa = dtensor.relayout(tf.reshape(pa, shape_a[:-1] + [k, shape_a[-1] // k]), dtensor.Layout(la, tf_mesh))
+    pb = dtensor.relayout(tf.reshape(pb, shape_b[:-2] + [k, shape_b[-2] // k, shape_b[-1]]),
+                          dtensor.Layout(lb, tf_mesh))
+    batch = "abcdefgh"[: rank - 2]
+    y = tf.einsum(f"{batch}ikc,{batch}kcj->k{batch}ij", pa, pb)
+    out_root = list(out_root)
+    out_root[m] = Partial("sum")
+    return _wrap_output(y, mesh, tuple(out_root), out_shape)
+
+
+def _contracted_layout(target, root, rank: int, k_axis: int, transposed: bool) -> list[str]:
+    """Physical specs of an operand (after any transpose) with its contracted dim split in two."""
+    placements = list(target)
+    if transposed:  # the operand was transposed: its last two dims swapped
+        placements = [
+            Shard({rank - 1: rank - 2, rank - 2: rank - 1}.get(p.dim, p.dim)) if isinstance(p, Shard) else p
+            for p in placements
+        ]
+    specs = list(physical_layout(root, placements, rank).sharding_specs)
+    specs[k_axis:k_axis + 1] = [specs[k_axis], dtensor.UNSHARDED]
+    return specs
 
 
 def _matmul_mixed(

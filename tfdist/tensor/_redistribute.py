@@ -56,6 +56,16 @@ _REDUCERS = {
 }
 
 
+# TF lowers CollectiveGatherV2 only for int32/int64/f16/f32/f64
+# (tensorflow/dtensor/mlir/collectives.cc); other types fall back to an
+# all-reduce of a padded buffer.  Same-size types that TF does gather carry
+# their bits instead (bool and 1-byte types keep the fallback: 2x the bytes).
+_GATHER_CARRIER = {
+    tf.bfloat16: tf.float16, tf.int16: tf.float16, tf.uint16: tf.float16,
+    tf.uint32: tf.int32, tf.uint64: tf.int64, tf.complex64: tf.int64,
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class TransformStep:
     """One step of a redistribute: a mesh dim's collective and the bytes each device sends."""
@@ -188,7 +198,14 @@ class _Program:
         sent = (self.root.shape[m] - 1) * self._local_bytes()
         new_specs = list(self.specs)
         new_specs[b] = dtensor.UNSHARDED
-        self._relayout(new_specs)
+        carrier = _GATHER_CARRIER.get(self.x.dtype) if self.x is not None else None
+        if carrier is not None:  # a gather copies bits: move them as a type TF gathers natively
+            original = self.x.dtype
+            self.x = tf.bitcast(self.x, carrier)
+            self._relayout(new_specs)
+            self.x = tf.bitcast(self.x, original)
+        else:
+            self._relayout(new_specs)
         self._record(m, Replicate(), "all_gather", sent)
 
     def reduce_scatter(self, m: int, d: int) -> None:
