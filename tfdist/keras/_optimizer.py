@@ -71,9 +71,11 @@ def install() -> None:
     original_update = _patches.original(opt + "_backend_update_step")
 
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
-        if any(_variables.is_dtensor_variable(v) for v in trainable_variables):
-            grads = [_dense(g) for g in grads]
-        return original_update(self, grads, trainable_variables, learning_rate)
+        if not any(_variables.is_dtensor_variable(v) for v in trainable_variables):
+            return original_update(self, grads, trainable_variables, learning_rate)
+        grads = [_dense(g) for g in grads]
+        with _variables.variables_as_handles(trainable_variables):
+            return original_update(self, grads, trainable_variables, learning_rate)
 
     _patches.install(opt + "_backend_update_step", _backend_update_step)
     TFOptimizer._tfdist_installed = True

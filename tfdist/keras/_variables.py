@@ -21,6 +21,7 @@ import weakref
 from typing import Any
 
 import keras
+import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
@@ -91,6 +92,26 @@ def write(dvariable: dtensor.DVariable, value: tf.Tensor) -> tf.Tensor:
     dvariable.assign(value)
     record_write(dvariable, value)
     return value
+
+
+class variables_as_handles:
+    """Within it, ``v.value`` of the given Keras variables is the DVariable itself.
+
+    Keras' optimizer takes ``v.value`` as the variable to update (a key for its
+    slots, the target of ``assign``); after an earlier write in the same step
+    (weight decay) the read-after-write cache would hand it a tensor instead.
+    Other variables (slots read after their writes) keep the cache.
+    """
+
+    def __init__(self, variables: Any) -> None:
+        self.ids = {id(v._value) for v in variables if is_dtensor_variable(v)}
+
+    def __enter__(self) -> None:
+        self.saved = getattr(_state, "handles", frozenset())
+        _state.handles = self.saved | self.ids
+
+    def __exit__(self, *exc: object) -> None:
+        _state.handles = self.saved
 
 
 # -- where a new variable's layout comes from -----------------------------------
@@ -182,9 +203,15 @@ def install() -> None:
         if isinstance(value, tf.Variable):
             return original_initialize(self, value)
         if not callable(value) and getattr(self, "_shape", None) is None:
-            # a variable given a value (not an initializer) learns its shape from it
-            value = tf.cast(tf.convert_to_tensor(value), self._dtype)
-            self._shape = tuple(value.shape)
+            # a variable given a value (not an initializer) learns its shape from it; no
+            # conversion here: inside a traced step it would make a graph constant that the
+            # eager initialisation below cannot use (Adafactor's build does this)
+            self._shape = tuple(value.shape) if hasattr(value, "shape") else tuple(np.shape(value))
+        if isinstance(value, tf.Tensor) and not tf.executing_eagerly():
+            # a constant Keras made inside the traced step (Nadam's, Adafactor's slots):
+            # its value, so the eager initialisation below can use it
+            static = tf.get_static_value(value)
+            value = static if static is not None else value
         layout = _pick_layout(self)
         if layout is None:
             return original_initialize(self, value)
@@ -209,7 +236,7 @@ def install() -> None:
 
     def value(self):
         inner = self.__dict__.get("_value")
-        if isinstance(inner, dtensor.DVariable):
+        if isinstance(inner, dtensor.DVariable) and id(inner) not in getattr(_state, "handles", ()):
             cache = _graph_cache()
             if cache is not None and id(inner) in cache:
                 return self._maybe_autocast(cache[id(inner)])

@@ -350,6 +350,11 @@ class DTensor(tf.experimental.ExtensionType):
         return True
 
     # -- Python operators (dispatched to TF ops, see _dispatch) --------------------
+    # elementwise, as torch and tf.Tensor (not ExtensionType's structural equality)
+    def __eq__(self, other): return tf.math.equal(self, other)
+    def __ne__(self, other): return tf.math.not_equal(self, other)
+    __hash__ = None  # like tf.Tensor under elementwise ==, a DTensor is no dict key
+
     def __add__(self, other): return tf.math.add(self, other)
     def __radd__(self, other): return tf.math.add(other, self)
     def __sub__(self, other): return tf.math.subtract(self, other)
@@ -374,6 +379,11 @@ def _root_coordinates(mesh: DeviceMesh) -> list[tuple[int, ...]]:
 
 def _as_local_list(local_tensor, mesh: DeviceMesh) -> list[tf.Tensor]:
     n_local = len(mesh.local_device_ids())
+    if isinstance(local_tensor, (list, tuple)) and not local_tensor:
+        raise ValueError(
+            f"local_tensor is an empty list; give one tensor per local device ({n_local}) in mesh "
+            "order, or a single tensor. Received: local_tensor=[]"
+        )
     if isinstance(local_tensor, (list, tuple)) and local_tensor and not np.isscalar(local_tensor[0]) and not isinstance(local_tensor[0], (list, tuple)):
         if len(local_tensor) != n_local:
             raise ValueError(

@@ -140,6 +140,16 @@ def _mixed(api_func, args: Sequence[Any]):
     return api_func(*raw)
 
 
+def _check_same_dtype(api_func, x: DTensor, y: DTensor) -> None:
+    """TF's own rule (eager TF DTensor crashes the process on mixed dtypes instead)."""
+    if x.dtype != y.dtype:
+        name = getattr(getattr(api_func, "func", api_func), "__name__", str(api_func))
+        raise TypeError(
+            f"{name} needs operands of one dtype, as TF's ops do. Received: {x.dtype.name} and "
+            f"{y.dtype.name}. Cast one first, e.g. tf.cast(t, tf.{x.dtype.name})."
+        )
+
+
 def _binary(api_func, x, y):
     custom = _custom(api_func)
     if custom is not None:
@@ -150,6 +160,7 @@ def _binary(api_func, x, y):
     like = x if isinstance(x, DTensor) else y
     x = x if isinstance(x, DTensor) else _scalar_to_dtensor(x, like)
     y = y if isinstance(y, DTensor) else _scalar_to_dtensor(y, like)
+    _check_same_dtype(api_func, x, y)
     _common_mesh([x, y])
     specs = [_op_view(x._spec), _op_view(y._spec)]
     out_shape = prop.broadcast_shape([specs[0].shape, specs[1].shape])
@@ -174,6 +185,7 @@ def _matmul(
             adjoint_b=adjoint_b, output_type=output_type,
         )
     ta, tb = transpose_a or adjoint_a, transpose_b or adjoint_b
+    _check_same_dtype(tf.linalg.matmul, a, b)
     for arg, x in (("a", a), ("b", b)):
         if x.ndim < 2:
             raise ValueError(

@@ -49,6 +49,9 @@ __all__ = [
 ]
 
 
+MAX_PHYSICAL_RANK = 8
+
+
 def chunk_size(n: int, k: int) -> int:
     """Rows per shard when ``n`` rows are split over ``k`` devices (torch.chunk)."""
     return -(-n // k)
@@ -140,6 +143,17 @@ class DTensorSpec:
     mesh: DeviceMesh
     placements: tuple[Placement, ...]
     shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        # TF's CPU Pad/Slice kernels take rank <= 8; past it a DTensor op fails inside
+        # TF and leaves the process unusable, so refuse it before anything runs.
+        if len(self.physical_shape) > MAX_PHYSICAL_RANK:
+            raise ValueError(
+                f"a DTensor of rank {len(self.shape)} with these placements needs "
+                f"{len(self.physical_shape)} physical dims, more than the {MAX_PHYSICAL_RANK} TensorFlow "
+                "handles (each Partial mesh dim and each extra mesh dim on one tensor dim adds one). "
+                f"Received: shape={self.shape}. Reshape to fewer dims first."
+            )
 
     @property
     def ndim(self) -> int:

@@ -478,6 +478,15 @@ def _expand(x: tf.Tensor, outer: DTensorSpec, dst: DTensorSpec) -> tf.Tensor:
     return dtensor.relayout(x, dst.tf_layout)
 
 
+def _empty(dtype: tf.DType, dst: DTensorSpec) -> tf.Tensor:
+    """An empty tensor's physical form for ``dst``: nothing to move (TF's collectives abort
+    the process on empty buffers, so none may run)."""
+    zeros = tf.zeros(dst.physical_shape, dtype)
+    if tf.executing_eagerly():
+        zeros = dtensor.copy_to_mesh(zeros, dtensor.Layout.replicated(dst.tf_layout.mesh, len(dst.physical_shape)))
+    return dtensor.relayout(zeros, dst.tf_layout)
+
+
 def redistribute_physical(x: tf.Tensor, src: DTensorSpec, dst: DTensorSpec) -> tf.Tensor:
     """Returns the physical tensor for ``dst`` holding the same global values as ``x``.
 
@@ -488,6 +497,8 @@ def redistribute_physical(x: tf.Tensor, src: DTensorSpec, dst: DTensorSpec) -> t
     if src.root_placements == dst.root_placements:
         return x
     check_transition(src, dst)
+    if 0 in src.shape:
+        return _empty(x.dtype, dst)
     itemsize = x.dtype.size
     x, src, _ = _collapse(x, src, itemsize) if src.multi_dims else (x, src, [])
     inner = _outer_only(dst)
