@@ -31,3 +31,23 @@ def no_global_distribution():
 
 def max_weight_diff(a: keras.Model, b: keras.Model) -> float:
     return max(float(np.abs(x - y).max()) for x, y in zip(a.get_weights(), b.get_weights()))
+
+
+def make_mlp() -> keras.Model:
+    """The seeded 16 -> 32 (relu) -> 8 MLP the Keras tests train (layers 'up' and 'down')."""
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([
+        keras.Input((16,)),
+        keras.layers.Dense(32, activation="relu", name="up"),
+        keras.layers.Dense(8, name="down"),
+    ])
+
+
+def model_parallel(mesh_shape=(2, 4)) -> keras.distribution.ModelParallel:
+    """Megatron layouts for make_mlp on a (batch, model) mesh."""
+    mesh = keras.distribution.DeviceMesh(mesh_shape, ["batch", "model"])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*up/kernel"] = (None, "model")
+    layout_map[".*up/bias"] = ("model",)
+    layout_map[".*down/kernel"] = ("model", None)
+    return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")

@@ -8,21 +8,12 @@ import pytest
 import tensorflow as tf
 
 import tfdist.keras  # noqa: F401  (installs the TF backend of keras.distribution)
-from keras_helpers import DenseAdam, max_weight_diff, no_global_distribution  # noqa: F401
+from keras_helpers import DenseAdam, make_mlp, max_weight_diff, model_parallel, no_global_distribution  # noqa: F401
 from tfdist.keras import _variables
 
 RNG = np.random.default_rng(0)
 X = RNG.standard_normal((64, 16)).astype("float32")
 Y = RNG.standard_normal((64, 8)).astype("float32")
-
-
-def make_mlp():
-    keras.utils.set_random_seed(0)
-    return keras.Sequential([
-        keras.Input((16,)),
-        keras.layers.Dense(32, activation="relu", name="up"),
-        keras.layers.Dense(8, name="down"),
-    ])
 
 
 def compile_(model, **kwargs):
@@ -35,15 +26,6 @@ def reference(epochs=2, **fit_kwargs):
     model = compile_(make_mlp())
     history = model.fit(X, Y, batch_size=16, epochs=epochs, verbose=0, shuffle=False, **fit_kwargs)
     return model, history
-
-
-def model_parallel(mesh_shape=(2, 4)):
-    mesh = keras.distribution.DeviceMesh(mesh_shape, ["batch", "model"])
-    layout_map = keras.distribution.LayoutMap(mesh)
-    layout_map[".*up/kernel"] = (None, "model")
-    layout_map[".*up/bias"] = ("model",)
-    layout_map[".*down/kernel"] = ("model", None)
-    return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
 
 
 @pytest.mark.parametrize("mesh_shape", [(2, 4), (4, 2), (8, 1), (1, 8)], ids=str)

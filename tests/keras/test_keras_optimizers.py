@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import tfdist.keras  # noqa: F401
-from keras_helpers import max_weight_diff, no_global_distribution  # noqa: F401
+from keras_helpers import make_mlp, max_weight_diff, model_parallel, no_global_distribution  # noqa: F401
 
 RNG = np.random.default_rng(1)
 X = RNG.standard_normal((80, 16)).astype("float32")
@@ -38,15 +38,6 @@ if hasattr(keras.optimizers, "Muon"):
     OPTIMIZERS["Muon"] = lambda: keras.optimizers.Muon(0.01)
 
 
-def make_mlp():
-    keras.utils.set_random_seed(0)
-    return keras.Sequential([
-        keras.Input((16,)),
-        keras.layers.Dense(32, activation="relu", name="up"),
-        keras.layers.Dense(8, name="down"),
-    ])
-
-
 def train(optimizer):
     model = make_mlp()
     model.compile(optimizer=optimizer, loss="mse")
@@ -60,12 +51,7 @@ def train(optimizer):
 def test_optimizer_matches_one_device(name, mesh_shape):
     keras.distribution.set_distribution(None)
     ref, ref_loss = train(OPTIMIZERS[name]())
-    mesh = keras.distribution.DeviceMesh(mesh_shape, ["batch", "model"])
-    layout_map = keras.distribution.LayoutMap(mesh)
-    layout_map[".*up/kernel"] = (None, "model")
-    layout_map[".*up/bias"] = ("model",)
-    layout_map[".*down/kernel"] = ("model", None)
-    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch"))
+    keras.distribution.set_distribution(model_parallel(mesh_shape))
     model, loss = train(OPTIMIZERS[name]())
     np.testing.assert_allclose(loss, ref_loss, rtol=2e-5)
     assert max_weight_diff(ref, model) < 2e-5

@@ -49,13 +49,7 @@ def _op_view(spec: DTensorSpec) -> DTensorSpec:
     """The spec the sharding rules see: a dim sharded over several mesh dims keeps
     only the outermost one (ops first gather the inner ones, a redistribute)."""
     spec = _root_spec(spec)
-    if not spec.multi_dims:
-        return spec
-    placements = [
-        Replicate() if isinstance(p, Shard) and p.dim in spec.multi_dims and spec.shard_groups[p.dim][0] != m else p
-        for m, p in enumerate(spec.root_placements)
-    ]
-    return DTensorSpec(spec.mesh, tuple(placements), spec.shape)
+    return spec.outer_only() if spec.multi_dims else spec
 
 
 def _common_mesh(dts: Sequence[DTensor]):

@@ -20,7 +20,7 @@ from tfdist.tensor import _random as _random_lib
 from tfdist.tensor._api import DTensor
 from tfdist.tensor._layout import DTensorSpec, normalize_placements
 from tfdist.tensor._redistribute import redistribute_physical
-from tfdist.tensor.placement_types import Placement, Replicate, Shard
+from tfdist.tensor.placement_types import Placement
 
 __all__ = ["zeros", "ones", "empty", "full", "rand", "randn"]
 
@@ -139,11 +139,9 @@ def _random(caller: str, draw, size, dtype, device_mesh, placements) -> DTensor:
     dtype = tf.as_dtype(dtype or tf.float32)
     if not spec.multi_dims:
         return DTensor._wrap(draw(spec, _random_seed(), dtype), spec)
-    # a dim over several mesh dims: drawn whole on each device, then sliced locally
-    whole = DTensorSpec(mesh, tuple(
-        Replicate() if isinstance(p, Shard) and p.dim in spec.multi_dims else p for p in placements
-    ), shape)
-    return DTensor._wrap(redistribute_physical(draw(whole, _random_seed(), dtype), whole, spec), spec)
+    # a dim over several mesh dims: drawn on its outermost mesh dim, then sliced locally
+    outer = spec.outer_only()
+    return DTensor._wrap(redistribute_physical(draw(outer, _random_seed(), dtype), outer, spec), spec)
 
 
 def rand(

@@ -223,6 +223,16 @@ class DTensorSpec:
                 to_piece[i, off + rows] = leaf * c + rows
         return to_leaves, to_piece
 
+    def outer_only(self) -> DTensorSpec:
+        """This spec on the root mesh with each multi-mesh-dim dim sharded on its outermost
+        mesh dim only (the form ops and redistribute work through)."""
+        placements = tuple(
+            Replicate() if isinstance(p, Shard) and p.dim in self.multi_dims and self.shard_groups[p.dim][0] != m
+            else p
+            for m, p in enumerate(self.root_placements)
+        )
+        return DTensorSpec(self.mesh.root_mesh, placements, self.shape)
+
     def physical_dims(self, d: int) -> int:
         """How many physical dims logical dim ``d`` occupies."""
         return len(self.shard_groups[d]) + 1 if d in self.multi_dims else 1

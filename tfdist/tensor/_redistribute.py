@@ -36,7 +36,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from tfdist.tensor._layout import DTensorSpec
+from tfdist.tensor._layout import DTensorSpec, chunk_size
 from tfdist.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 __all__ = ["TransformStep", "plan_redistribute", "redistribute_physical", "relayout", "check_transition"]
@@ -219,7 +219,7 @@ class _Program:
         the whole tensor and slice.
         """
         axis = self.partial.index(m)
-        self.resize(d, _padded(self.shape[d], self.root.shape[m]))  # dim d is replicated: local
+        self.resize(d, chunk_size(self.shape[d], self.root.shape[m]) * self.root.shape[m])  # dim d is replicated: local
         op = self.placements[m].reduce_op
         self.all_to_all(m, axis, self.lead + d, Shard(d), "reduce_scatter")
         if self.x is not None:
@@ -325,10 +325,6 @@ class _Program:
         return self.x
 
 
-def _padded(n: int, k: int) -> int:
-    return -(-n // k) * k
-
-
 def _blockers(src: DTensorSpec, dst: DTensorSpec) -> set[int]:
     """Mesh dims whose Shard sits on a dim that a Partial mesh dim is to be reduce-scattered onto."""
     want = dst.root_placements
@@ -370,7 +366,7 @@ def plan_redistribute(src: DTensorSpec, dst: DTensorSpec, itemsize: int = 4) -> 
     if src.root_placements == dst.root_placements:
         return []
     _, src, first = _collapse(None, src, itemsize) if src.multi_dims else (None, src, [])
-    inner = _outer_only(dst)
+    inner = dst.outer_only()
     return first + _run(None, src, inner, itemsize, _cheapest(src, inner, itemsize)).steps
 
 
@@ -391,16 +387,6 @@ def relayout(x: tf.Tensor, layout: dtensor.Layout, source: dtensor.Layout | None
             specs[d] = dtensor.UNSHARDED
             x = dtensor.relayout(x, dtensor.Layout(list(specs), source.mesh))
     return dtensor.relayout(x, layout)
-
-
-def _outer_only(spec: DTensorSpec) -> DTensorSpec:
-    """``spec`` with each multi-mesh-dim dim sharded on its outermost mesh dim only."""
-    root = spec.mesh.root_mesh
-    placements = tuple(
-        Replicate() if isinstance(p, Shard) and p.dim in spec.multi_dims and spec.shard_groups[p.dim][0] != m else p
-        for m, p in enumerate(spec.root_placements)
-    )
-    return DTensorSpec(root, placements, spec.shape)
 
 
 def _physical_start(spec: DTensorSpec, d: int) -> int:
@@ -436,7 +422,7 @@ def _collapse(x: tf.Tensor | None, src: DTensorSpec, itemsize: int) -> tuple[tf.
         for i, m in reversed(list(enumerate(src.shard_groups[d]))[1:]):
             prog.all_gather(m, start + i)
             prog.steps[-1] = dataclasses.replace(prog.steps[-1], src=Shard(d))
-    new = _outer_only(src)
+    new = src.outer_only()
     x = prog.x
     if x is not None:
         mesh = src.mesh.root_mesh.to_tf()
@@ -501,7 +487,7 @@ def redistribute_physical(x: tf.Tensor, src: DTensorSpec, dst: DTensorSpec) -> t
         return _empty(x.dtype, dst)
     itemsize = x.dtype.size
     x, src, _ = _collapse(x, src, itemsize) if src.multi_dims else (x, src, [])
-    inner = _outer_only(dst)
+    inner = dst.outer_only()
     prog = _run(x, src, inner, itemsize, _cheapest(src, inner, itemsize))
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug("redistribute %s: %s", src.shape, "; ".join(map(str, prog.steps)) or "local")
