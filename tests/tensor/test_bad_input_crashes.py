@@ -92,3 +92,60 @@ def test_equality_is_elementwise():
     np.testing.assert_array_equal(eq.numpy(), np.arange(8) % 2 == 0)
     np.testing.assert_array_equal(ne.numpy(), np.arange(8) % 2 == 1)
     np.testing.assert_array_equal((a == 3.0).numpy(), np.arange(8) == 3)
+
+
+def test_loss_parallel_edges_match_tf():
+    """-inf logits of other classes stay finite; bad labels raise as TF's kernel does."""
+    from tfdist.tensor.parallel import loss_parallel
+
+    logits = tf.constant([[0.5, -np.inf, 2.0], [1.0, 0.0, -np.inf]])
+    labels = tf.constant([2, 0])
+    want = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits).numpy()
+    with loss_parallel():
+        got = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits).numpy()
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+        assert np.isfinite(got).all()
+        with pytest.raises(tf.errors.InvalidArgumentError, match="label value of 3"):
+            tf.nn.sparse_softmax_cross_entropy_with_logits(labels=tf.constant([3, 0]), logits=logits)
+        with pytest.raises(tf.errors.InvalidArgumentError, match="label value of -1"):
+            tf.nn.sparse_softmax_cross_entropy_with_logits(labels=tf.constant([-1, 0]), logits=logits)
+        with pytest.raises(TypeError, match="integer class labels"):
+            tf.nn.sparse_softmax_cross_entropy_with_logits(labels=tf.constant([2.0, 0.0]), logits=logits)
+
+
+def test_style_and_layout_map_arguments_are_checked():
+    import keras
+
+    import tfdist.keras
+    from tfdist.tensor.parallel import ColwiseParallel
+
+    with pytest.raises(TypeError, match="Received: 'bogus'"):
+        ColwiseParallel(input_layouts="bogus")
+    mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"])
+    layout_map = tfdist.keras.LayoutMap(mesh)
+    layout_map[".*kernel"] = (Replicate(), Shard(5))
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch"))
+    try:
+        with pytest.raises(ValueError, match=r"Shard\(dim=5\) is out of range for a rank-2 variable"):
+            keras.layers.Dense(4).build((None, 8))
+    finally:
+        keras.distribution.set_distribution(None)
+
+
+def test_unknown_batch_dim_name_is_an_error():
+    import keras
+
+    import tfdist.keras  # noqa: F401
+
+    mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*kernel"] = (None, "model")
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="bacth"))
+    try:
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+        model.compile(optimizer="sgd", loss="mse")
+        with pytest.raises(ValueError, match="batch_dim_name 'bacth' is not a dim of the mesh"):
+            model.fit(np.ones((16, 8), np.float32), np.ones((16, 4), np.float32), batch_size=8, verbose=0)
+    finally:
+        keras.distribution.set_distribution(None)

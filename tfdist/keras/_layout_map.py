@@ -109,6 +109,11 @@ class _ResolveLater:
         axes: list[str | None] = [None] * rank
         for name, p in zip(mesh.axis_names, placements):
             if isinstance(p, Shard):
+                if not -rank <= p.dim < rank:
+                    raise ValueError(
+                        f"{what!r}: {p!r} is out of range for a rank-{rank} variable (valid: "
+                        f"{-rank}..{rank - 1}). Received: placements={placements!r}"
+                    )
                 dim = p.dim % rank
                 if axes[dim] is not None:
                     raise ValueError(f"{what!r}: dim {dim} sharded twice by {placements!r}")

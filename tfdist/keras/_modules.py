@@ -192,6 +192,8 @@ class KerasModules:
             if not from_logits:
                 output = tf.math.log(tf.clip_by_value(output, 1e-7, 1.0 - 1e-7))
             target = tf.convert_to_tensor(target)
+            if target.dtype.is_floating:  # Keras takes float class ids and casts them
+                target = tf.cast(target, tf.int32)
             if target.shape.rank == output.shape.rank:  # Keras allows a trailing 1
                 target = tf.squeeze(target, axis=-1)
             return cross_entropy(target, output, axis)

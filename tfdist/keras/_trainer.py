@@ -47,7 +47,13 @@ def mesh_of(model):
         return None, None
     name = getattr(distribution, "batch_dim_name", None) if distribution is not None else None
     name = name or getattr(model, "_tfdist_batch_dim", None)
-    batch_axis = mesh.axis_names.index(name) if name in mesh.axis_names else None
+    if name is not None and name not in mesh.axis_names:
+        raise ValueError(
+            f"batch_dim_name {name!r} is not a dim of the mesh {mesh.axis_names}, so batches would "
+            "not be split and training would silently run without data parallelism. "
+            f"Received: batch_dim_name={name!r}; use one of {list(mesh.axis_names)}."
+        )
+    batch_axis = mesh.axis_names.index(name) if name is not None else None
     return mesh, batch_axis
 
 

@@ -26,12 +26,33 @@ __all__ = ["loss_parallel"]
 
 def sharded_cross_entropy(labels: tf.Tensor, logits: tf.Tensor, axis: int = -1) -> tf.Tensor:
     """Per-example ``-log softmax(logits)[label]``; friendly to a sharded class dim."""
+    if labels.dtype.is_floating:
+        raise TypeError(
+            "sparse cross-entropy needs integer class labels (as TF's own). Received: labels of "
+            f"dtype {labels.dtype.name}; cast them, e.g. tf.cast(labels, tf.int32)."
+        )
     axis = axis % logits.shape.rank
+    classes = logits.shape[axis]
+    _check_labels(labels, classes)
     peak = tf.stop_gradient(tf.reduce_max(logits, axis=axis, keepdims=True))
     lse = tf.math.log(tf.reduce_sum(tf.exp(logits - peak), axis=axis)) + tf.squeeze(peak, axis)
-    one_hot = tf.one_hot(tf.cast(labels, tf.int32), logits.shape[axis], dtype=logits.dtype, axis=axis)
-    picked = tf.reduce_sum(one_hot * logits, axis=axis)
+    one_hot = tf.one_hot(tf.cast(labels, tf.int32), classes, on_value=True, off_value=False, axis=axis)
+    # where, not one_hot * logits: a -inf logit of another class (vocabulary masking) must not
+    # turn into 0 * -inf = NaN
+    picked = tf.reduce_sum(tf.where(one_hot, logits, tf.zeros_like(logits)), axis=axis)
     return lse - picked
+
+
+def _check_labels(labels: tf.Tensor, classes: int) -> None:
+    """Out-of-range labels raise as in TF's kernel (eagerly; a one-hot would silently give 0)."""
+    if not tf.executing_eagerly():
+        return
+    low, high = int(tf.reduce_min(labels)), int(tf.reduce_max(labels))
+    if low < 0 or high >= classes:
+        bad = low if low < 0 else high
+        raise tf.errors.InvalidArgumentError(
+            None, None, f"Received a label value of {bad} which is outside the valid range of [0, {classes})."
+        )
 
 
 def _tf_ce(original, labels=None, logits=None, name=None):

@@ -119,7 +119,12 @@ def _as_placements(layouts: Placement | Sequence[Placement] | None, default: Pla
         return (default,)
     if isinstance(layouts, Placement):
         return (layouts,)
-    return tuple(layouts)
+    if isinstance(layouts, (list, tuple)) and all(isinstance(p, Placement) for p in layouts):
+        return tuple(layouts)
+    raise TypeError(
+        "layouts must be a Placement (Shard(d), Replicate()) or a sequence of them, one per "
+        f"mesh dim of the tensor-parallel mesh. Received: {layouts!r}"
+    )
 
 
 def _check_no_partial(name: str, placements: tuple[Placement, ...]) -> None:
