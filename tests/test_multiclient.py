@@ -134,3 +134,19 @@ def test_two_nodes_on_one_host():
     for p, (out, err) in zip(nodes, outs):
         assert p.returncode == 0, err[-3000:]
     assert "[rank 0] OK rank 0 of 4 clients" in outs[0][0] and "[rank 3] OK rank 3 of 4 clients" in outs[1][0]
+
+
+def test_ctrl_c_is_reported_as_an_interruption():
+    """SIGINT kills the clients (the default handler); the launcher says so, not "rank 1 failed"."""
+    script = HERE / "sleeper.py"
+    proc = subprocess.Popen([sys.executable, "-m", "tfdist.run", "--nproc-per-node", "2", "--master-port",
+                             str(free_base_port(2)), str(script)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    deadline = time.monotonic() + 60
+    seen = ""
+    while seen.count("ready") < 2 and time.monotonic() < deadline:
+        seen += proc.stdout.readline()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert "interrupted by SIGINT" in err and "exited with code" not in err, err[-2000:]
+    assert proc.returncode == 128 + signal.SIGINT

@@ -103,6 +103,13 @@ def _configure_virtual_cpus(n: int) -> None:
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be a positive int. Received: n={n!r}")
+    launched = int(os.environ.get("TFDIST_VIRTUAL_CPUS", "0") or 0)
+    if launched and launched != n:
+        raise ValueError(
+            f"virtual_cpus({n}) in a process that `tfdist run --devices-per-proc {launched}` started: "
+            f"the launcher already gives each process {launched} CPUs. Drop the virtual_cpus call "
+            f"or pass --devices-per-proc {n}. Received: n={n}"
+        )
     cpu = tf.config.list_physical_devices("CPU")[0]
     configured = tf.config.get_logical_device_configuration(cpu)
     if configured is None or len(configured) != n:

@@ -376,6 +376,13 @@ def init_device_mesh(
             f"Received: mesh_shape={mesh_shape!r}"
         )
     n = _runtime.num_global_devices(tf_type)
+    if n == 0:
+        raise ValueError(
+            f"init_device_mesh({device_type!r}, ...) found no {tf_type} device on this host "
+            f"(device type detected: {_runtime.detect_device_type().lower()!r}). Use "
+            "init_device_mesh('cpu', ...) (tfdist.virtual_cpus(n) splits the CPU into n devices) or run "
+            f"on a machine with {tf_type}s. Received: device_type={device_type!r}"
+        )
     if math.prod(shape) != n:
         raise ValueError(
             f"mesh_shape {shape} holds {math.prod(shape)} devices but there are "

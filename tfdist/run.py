@@ -173,10 +173,14 @@ def main(argv: Sequence[str] | None = None, prog: str = "tfdist run") -> int:
             failed = [(first_rank + i, c) for i, c in enumerate(codes) if c not in (None, 0)]
             if failed:
                 rank, code = failed[0]
-                sys.stderr.write(
-                    f"tfdist run: rank {rank} exited with code {code}; stopping the other "
-                    f"{sum(c is None for c in codes)} process(es)\n"
-                )
+                if received and code in (-s for s in received):
+                    # the processes ended on the signal the launcher forwarded: not a failure of theirs
+                    sys.stderr.write(f"tfdist run: interrupted by {signal.Signals(received[0]).name}; stopping\n")
+                else:
+                    sys.stderr.write(
+                        f"tfdist run: rank {rank} exited with code {code}; stopping the other "
+                        f"{sum(c is None for c in codes)} process(es)\n"
+                    )
                 _stop(procs)
                 status = code if code > 0 else 128 - code  # -9 (killed) -> 137
                 break

@@ -149,3 +149,30 @@ def test_unknown_batch_dim_name_is_an_error():
             model.fit(np.ones((16, 8), np.float32), np.ones((16, 4), np.float32), batch_size=8, verbose=0)
     finally:
         keras.distribution.set_distribution(None)
+
+
+def test_clear_messages_for_common_mistakes():
+    mesh = make_mesh((2, 4))
+    a = distribute_tensor(np.ones((8, 4), np.float32), mesh, [Shard(0), Replicate()])
+    b = distribute_tensor(np.ones((8, 4), np.float32), mesh, [Shard(0), Replicate()])
+    with pytest.raises(ValueError, match=r"contracted dims differ \(4 vs 8\)"):
+        a @ b
+    np.testing.assert_array_equal(tf.matmul(a, b, transpose_b=True).full_tensor().numpy(), np.full((8, 8), 4.0))
+    import tfdist
+
+    with pytest.raises(ValueError, match="found no GPU device on this host"):
+        tfdist.init_device_mesh("cuda", (8,))
+
+
+def test_virtual_cpus_names_the_launcher_flag():
+    code = PRELUDE.replace("tfdist.virtual_cpus(8)", "tfdist.virtual_cpus(2)") + textwrap.dedent("""
+    try:
+        tfdist.virtual_cpus(8)
+    except ValueError as err:
+        assert "--devices-per-proc 2" in str(err), str(err)
+        print("ok")
+    """)
+    code = code.replace('mesh = tfdist.init_device_mesh("cpu", (8,), mesh_dim_names=("x",))', "")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "TFDIST_VIRTUAL_CPUS": "2"})
+    assert out.stdout.strip().endswith("ok"), out.stderr[-1500:]

@@ -185,6 +185,14 @@ def _matmul(
             raise ValueError(
                 f"matmul needs operands of rank >= 2. Received: {arg} with shape {tuple(x.shape)}"
             )
+    k_a = a.shape[-2] if ta else a.shape[-1]
+    k_b = b.shape[-1] if tb else b.shape[-2]
+    if k_a != k_b:
+        raise ValueError(
+            f"matmul: the contracted dims differ ({k_a} vs {k_b}). Received: a with shape "
+            f"{tuple(a.shape)}, b with shape {tuple(b.shape)}"
+            f"{' (transpose_a)' if ta else ''}{' (transpose_b)' if tb else ''}."
+        )
     strategy, out_shape = prop.matmul_strategy(_op_view(a._spec), _op_view(b._spec), ta, tb)
     partial = _contraction_mesh_dim(a, b, strategy, ta, output_type)
     if partial is not None:
