@@ -150,3 +150,40 @@ def test_ctrl_c_is_reported_as_an_interruption():
     _, err = proc.communicate(timeout=60)
     assert "interrupted by SIGINT" in err and "exited with code" not in err, err[-2000:]
     assert proc.returncode == 128 + signal.SIGINT
+
+
+def test_job_timeout_stops_everything():
+    start = time.monotonic()
+    out = launch("--nproc-per-node", "2", "--timeout", "3", "--master-port", str(free_base_port(2)),
+                 str(HERE / "sleeper.py"), timeout=60)
+    assert out.returncode == 124 and "ran past --timeout 3s" in out.stderr, out.stderr[-1000:]
+    assert time.monotonic() - start < 30
+
+
+def test_killing_the_launcher_leaves_no_orphans():
+    """SIGKILL cannot be forwarded; the children die with their parent (PR_SET_PDEATHSIG)."""
+    proc = subprocess.Popen([sys.executable, "-m", "tfdist.run", "--nproc-per-node", "2", "--master-port",
+                             str(free_base_port(2)), str(HERE / "sleeper.py")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    deadline = time.monotonic() + 60
+    seen = ""
+    while seen.count("ready") < 2 and time.monotonic() < deadline:
+        seen += proc.stdout.readline()
+    children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert len(children) == 2
+    proc.kill()
+    proc.wait(timeout=30)
+    end = time.monotonic() + 10
+    alive = children
+    while alive and time.monotonic() < end:
+        alive = [c for c in children if os.path.exists(f"/proc/{c}") and "zombie" not in _state(c)]
+        time.sleep(0.1)
+    assert not alive, f"orphans left running: {alive}"
+
+
+def _state(pid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next((line for line in f if line.startswith("State:")), "").lower()
+    except FileNotFoundError:
+        return "zombie"

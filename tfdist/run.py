@@ -54,6 +54,8 @@ def build_parser(prog: str = "tfdist run") -> argparse.ArgumentParser:
                         help="virtual CPUs per process (local testing); 0 keeps the real devices")
     parser.add_argument("--device-type", choices=("cpu", "gpu", "tpu"), default="cpu",
                         help="gpu: each process sees one GPU (CUDA_VISIBLE_DEVICES=local rank)")
+    parser.add_argument("--timeout", type=float, default=0.0,
+                        help="seconds the whole job may run; then every process is stopped (exit 124). 0: no limit")
     parser.add_argument("-m", "--module", action="store_true", help="run the target as a module (python -m)")
     parser.add_argument("script", help="the training script (or module with -m)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -69,6 +71,8 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[st
         parser.error(f"--node-rank must be in [0, {args.nnodes}), got {args.node_rank}")
     if args.devices_per_proc < 0:
         parser.error(f"--devices-per-proc must be >= 0, got {args.devices_per_proc}")
+    if args.timeout < 0:
+        parser.error(f"--timeout must be >= 0 seconds, got {args.timeout}")
     world = args.nproc_per_node * args.nnodes
     if not 1024 <= args.master_port <= 65535 - world:
         parser.error(f"--master-port must leave room for {world} ports below 65536, got {args.master_port}")
@@ -118,6 +122,18 @@ def client_environments(args: argparse.Namespace, nodes: Sequence[str]) -> list[
     return envs
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: the kernel sends SIGKILL when the launcher dies (Linux),
+    so a killed launcher leaves no orphans."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: no parent-death signal to ask for
+        pass
+
+
 def _pump(stream, rank: int, out) -> None:
     for line in iter(stream.readline, ""):
         out.write(f"[rank {rank}] {line}")
@@ -150,7 +166,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "tfdist run") -> int:
     first_rank = args.node_rank * args.nproc_per_node
     for i, env in enumerate(client_environments(args, nodes)):
         proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, bufsize=1)
+                                text=True, bufsize=1, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         procs.append(proc)
         for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
             t = threading.Thread(target=_pump, args=(stream, first_rank + i, out), daemon=True)
@@ -167,8 +183,13 @@ def main(argv: Sequence[str] | None = None, prog: str = "tfdist run") -> int:
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     status = 0
+    deadline = time.monotonic() + args.timeout if args.timeout else None
     try:
         while True:
+            if deadline is not None and time.monotonic() > deadline:
+                sys.stderr.write(f"tfdist run: the job ran past --timeout {args.timeout:g}s; stopping every process\n")
+                status = 124  # timeout(1)'s status
+                break
             codes = [p.poll() for p in procs]
             failed = [(first_rank + i, c) for i, c in enumerate(codes) if c not in (None, 0)]
             if failed:
