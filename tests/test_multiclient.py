@@ -105,7 +105,8 @@ def test_launcher_checks_before_starting(tmp_path):
     assert taken.returncode == 2 and f"port {base + 1} (for rank 1) is already in use" in taken.stderr
 
 
-def test_launcher_forwards_signals():
+def start_sleepers() -> tuple[subprocess.Popen, str]:
+    """The launcher running two sleeper clients, once both say they are ready."""
     proc = subprocess.Popen([sys.executable, "-m", "tfdist.run", "--nproc-per-node", "2", "--master-port",
                              str(free_base_port(2)), str(HERE / "sleeper.py")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
@@ -113,6 +114,11 @@ def test_launcher_forwards_signals():
     seen = ""
     while seen.count("ready") < 2 and time.monotonic() < deadline:
         seen += proc.stdout.readline()
+    return proc, seen
+
+
+def test_launcher_forwards_signals():
+    proc, seen = start_sleepers()
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
     seen += out
@@ -138,14 +144,7 @@ def test_two_nodes_on_one_host():
 
 def test_ctrl_c_is_reported_as_an_interruption():
     """SIGINT kills the clients (the default handler); the launcher says so, not "rank 1 failed"."""
-    script = HERE / "sleeper.py"
-    proc = subprocess.Popen([sys.executable, "-m", "tfdist.run", "--nproc-per-node", "2", "--master-port",
-                             str(free_base_port(2)), str(script)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
-    deadline = time.monotonic() + 60
-    seen = ""
-    while seen.count("ready") < 2 and time.monotonic() < deadline:
-        seen += proc.stdout.readline()
+    proc, _ = start_sleepers()
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert "interrupted by SIGINT" in err and "exited with code" not in err, err[-2000:]
@@ -162,13 +161,7 @@ def test_job_timeout_stops_everything():
 
 def test_killing_the_launcher_leaves_no_orphans():
     """SIGKILL cannot be forwarded; the children die with their parent (PR_SET_PDEATHSIG)."""
-    proc = subprocess.Popen([sys.executable, "-m", "tfdist.run", "--nproc-per-node", "2", "--master-port",
-                             str(free_base_port(2)), str(HERE / "sleeper.py")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
-    deadline = time.monotonic() + 60
-    seen = ""
-    while seen.count("ready") < 2 and time.monotonic() < deadline:
-        seen += proc.stdout.readline()
+    proc, _ = start_sleepers()
     children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
     assert len(children) == 2
     proc.kill()
