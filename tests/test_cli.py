@@ -81,3 +81,18 @@ def test_launcher_port_check_ignores_time_wait(tmp_path):
             _check(parser.parse_args(["--master-port", str(port), str(script)]), parser)
     finally:
         busy.close()
+
+
+def test_readme_example_runs_and_prints_what_it_says(tmp_path):
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    code = re.search(r"```python\n(.*?)```", readme, re.S).group(1)
+    script = tmp_path / "example.py"
+    script.write_text(code)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=ENV, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for line in code.splitlines():  # every "# <expected output>" comment on a print line holds
+        if line.startswith("print(") and "# " in line:
+            assert line.split("# ", 1)[1].split(" = ")[0].strip() in out.stdout, (line, out.stdout)
