@@ -92,6 +92,28 @@ def check_transition(src: DTensorSpec, dst: DTensorSpec) -> None:
             )
 
 
+def _move_mesh_dim(x: tf.Tensor | None, specs: list[str], b: int, c: int, mesh) -> tuple[tf.Tensor | None, list[str]]:
+    """One all-to-all: the mesh dim sharding physical dim ``b`` moves onto ``c``.
+
+    TF DTensor 2.21 computes wrong values for an all-to-all relayout of a
+    rank >= 4 tensor when another mesh dim shards a third dim and neither
+    moved dim is dim 0 (docs/tf_dtensor_repros/all_to_all_wrong_values.py);
+    moves to or from dim 0 are right.  So such a tensor is transposed (a local
+    op) to put ``b`` and ``c`` first, moved, and transposed back.
+    """
+    new = list(specs)
+    new[c], new[b] = specs[b], dtensor.UNSHARDED
+    if x is None:
+        return None, new
+    if 0 not in (b, c) and len(specs) >= 4:
+        perm = [b, c] + [d for d in range(len(specs)) if d not in (b, c)]
+        inverse = [perm.index(d) for d in range(len(perm))]
+        xt = dtensor.relayout(tf.transpose(x, perm), dtensor.Layout([specs[d] for d in perm], mesh))
+        yt = dtensor.relayout(xt, dtensor.Layout([new[d] for d in perm], mesh))
+        x = tf.transpose(yt, inverse)
+    return dtensor.relayout(x, dtensor.Layout(new, mesh)), new
+
+
 class _Program:
     """The physical tensor and its layout while a redistribute runs, step by step.
 
@@ -165,26 +187,10 @@ class _Program:
 
     # -- collectives, one mesh dim each -----------------------------------------
     def all_to_all(self, m: int, b: int, c: int, new: Placement, collective: str = "all_to_all") -> None:
-        """Moves mesh dim ``m`` from physical dim ``b`` onto ``c``.
-
-        TF DTensor 2.21 computes wrong values for an all-to-all relayout of a
-        rank >= 4 tensor when another mesh dim shards a third dim and neither
-        moved dim is dim 0 (docs/tf_dtensor_repros/all_to_all_wrong_values.py);
-        moves to or from dim 0 are right.  So such a tensor is transposed (a
-        local op) to put ``b`` and ``c`` first, moved, and transposed back.
-        """
+        """Moves mesh dim ``m`` from physical dim ``b`` onto ``c`` (see ``_move_mesh_dim``)."""
         k = self.root.shape[m]
         sent = (k - 1) / k * self._local_bytes()
-        new_specs = list(self.specs)
-        new_specs[c], new_specs[b] = self.specs[b], dtensor.UNSHARDED
-        if self.x is not None and 0 not in (b, c) and len(self.specs) >= 4:
-            perm = [b, c] + [d for d in range(len(self.specs)) if d not in (b, c)]
-            inverse = [perm.index(d) for d in range(len(perm))]
-            mesh = self.root.to_tf()
-            xt = dtensor.relayout(tf.transpose(self.x, perm), dtensor.Layout([self.specs[d] for d in perm], mesh))
-            yt = dtensor.relayout(xt, dtensor.Layout([new_specs[d] for d in perm], mesh))
-            self.x = tf.transpose(yt, inverse)
-        self._relayout(new_specs)
+        self.x, self.specs = _move_mesh_dim(self.x, self.specs, b, c, self.root.to_tf())
         self._record(m, new, collective, sent)
 
     def all_gather(self, m: int, b: int) -> None:
@@ -365,9 +371,11 @@ def plan_redistribute(src: DTensorSpec, dst: DTensorSpec, itemsize: int = 4) -> 
     """The steps a redistribute runs, each with its collective and bytes per device."""
     if src.root_placements == dst.root_placements:
         return []
-    _, src, first = _collapse(None, src, itemsize) if src.multi_dims else (None, src, [])
-    inner = dst.outer_only()
-    return first + _run(None, src, inner, itemsize, _cheapest(src, inner, itemsize)).steps
+    _, src, first = _collapse(None, src, dst, itemsize) if src.multi_dims else (None, src, [])
+    inner = _ride_target(src, dst) if dst.multi_dims else dst
+    middle = _run(None, src, inner, itemsize, _cheapest(src, inner, itemsize)).steps
+    last = _expand(None, inner, dst, itemsize)[1] if dst.multi_dims else []
+    return first + middle + last
 
 
 def relayout(x: tf.Tensor, layout: dtensor.Layout, source: dtensor.Layout | None = None) -> tf.Tensor:
@@ -412,20 +420,42 @@ def _gather_pieces(x: tf.Tensor, axis: int, index: np.ndarray, specs: list[str],
     return dtensor.relayout(tf.transpose(picked, back), dtensor.Layout(specs, mesh))
 
 
-def _collapse(x: tf.Tensor | None, src: DTensorSpec, itemsize: int) -> tuple[tf.Tensor | None, DTensorSpec, list[TransformStep]]:
-    """Dims sharded over several mesh dims -> sharded on the outermost one only: one
-    all-gather per inner mesh dim, then a local gather that puts each device's
-    leaves back in the order of its outer piece."""
+def _collapse(
+    x: tf.Tensor | None, src: DTensorSpec, dst: DTensorSpec, itemsize: int
+) -> tuple[tf.Tensor | None, DTensorSpec, list[TransformStep]]:
+    """Dims sharded over several mesh dims -> sharded on the outermost one only.
+
+    Each inner mesh dim either all-to-alls straight onto the dim ``dst``
+    shards with it (when that dim is free; torch's move) or is all-gathered;
+    then a local gather puts each device's leaves back in the order of its
+    outer piece.
+    """
     prog = _Program(x, src, itemsize)
+    placements = list(src.outer_only().root_placements)
+    mesh = src.mesh.root_mesh.to_tf()
     for d in src.multi_dims:
         start = _physical_start(src, d)
         for i, m in reversed(list(enumerate(src.shard_groups[d]))[1:]):
-            prog.all_gather(m, start + i)
-            prog.steps[-1] = dataclasses.replace(prog.steps[-1], src=Shard(d))
-    new = src.outer_only()
+            q = dst.root_placements[m]
+            busy = {p.dim for p in placements if isinstance(p, Shard)} | set(src.multi_dims)
+            if isinstance(q, Shard) and q.dim not in busy and sum(r.is_shard(q.dim) for r in dst.root_placements) == 1:
+                j = _physical_start(src, q.dim)  # a single, replicated dim: padding it is local
+                want = chunk_size(src.shape[q.dim], src.root_shape[m]) * src.root_shape[m]
+                if prog.sizes[j] != want:
+                    if prog.x is not None:
+                        pads = [[0, 0] for _ in prog.sizes]
+                        pads[j][1] = want - prog.sizes[j]
+                        prog.x = dtensor.relayout(tf.pad(prog.x, pads), dtensor.Layout(prog.specs, mesh))
+                    prog.sizes[j] = want
+                prog.all_to_all(m, start + i, j, q)
+                prog.steps[-1] = dataclasses.replace(prog.steps[-1], src=Shard(d))
+                placements[m] = q
+            else:
+                prog.all_gather(m, start + i)
+                prog.steps[-1] = dataclasses.replace(prog.steps[-1], src=Shard(d))
+    new = DTensorSpec(src.mesh.root_mesh, tuple(placements), src.shape)
     x = prog.x
     if x is not None:
-        mesh = src.mesh.root_mesh.to_tf()
         specs = list(prog.specs)
         for d in reversed(src.multi_dims):  # later dims first: earlier positions stay put
             start, width = _physical_start(src, d), src.physical_dims(d)
@@ -442,26 +472,80 @@ def _collapse(x: tf.Tensor | None, src: DTensorSpec, itemsize: int) -> tuple[tf.
     return x, new, prog.steps
 
 
-def _expand(x: tf.Tensor, outer: DTensorSpec, dst: DTensorSpec) -> tf.Tensor:
-    """Dims sharded on their outermost mesh dim -> sharded over all of theirs: per device,
-    a local gather of its piece's leaf chunks, then a local shard on the inner mesh dims."""
-    mesh = outer.mesh.root_mesh.to_tf()
-    specs = list(outer.tf_layout.sharding_specs)
+def _ride_target(src: DTensorSpec, dst: DTensorSpec) -> DTensorSpec:
+    """What the program moves ``src`` to before ``dst``'s nested dims are built.
+
+    ``dst`` with each nested dim sharded on its outermost mesh dim only; an
+    inner mesh dim that ``src`` already uses (a Shard of another free dim, or
+    a Partial) keeps it, and later moves straight into its nested place with
+    one all-to-all (or reduce-scatter), as torch does, instead of a gather.
+    """
+    outer = list(dst.outer_only().root_placements)
+    for d in dst.multi_dims:
+        for m in dst.shard_groups[d][1:]:
+            p = src.root_placements[m]
+            taken = {q.dim for i, q in enumerate(outer) if isinstance(q, Shard) and i != m}
+            if p.is_partial() or (isinstance(p, Shard) and p.dim != d and p.dim not in taken):
+                outer[m] = p
+    return DTensorSpec(src.mesh.root_mesh, tuple(outer), src.shape)
+
+
+def _expand(x: tf.Tensor | None, inner: DTensorSpec, dst: DTensorSpec, itemsize: int) -> tuple[tf.Tensor | None, list[TransformStep]]:
+    """``inner`` -> ``dst``: per device, a local gather of its outer piece's leaf chunks; then
+    the inner mesh dims that rode along move into their nested place (all-to-all, or
+    reduce-scatter for a Partial); the other inner mesh dims are a local shard."""
+    root = inner.mesh.root_mesh
+    mesh = root.to_tf()
+    specs = list(inner.tf_layout.sharding_specs)
+    sizes = list(inner.physical_shape)
     for d in reversed(dst.multi_dims):  # later dims first: earlier positions stay put
-        start = _physical_start(outer, d)
+        start = _physical_start(inner, d)
         group = dst.shard_groups[d]
         k1 = dst.root_shape[group[0]]
-        shape = x.shape.as_list()
-        x = tf.reshape(x, shape[:start] + [k1, shape[start] // k1] + shape[start + 1:])
-        specs[start:start + 1] = [specs[start], dtensor.UNSHARDED]
-        x = dtensor.relayout(x, dtensor.Layout(specs, mesh))
-        x = _gather_pieces(x, start, dst.piece_indices(d)[0], specs, mesh)
-        shape = x.shape.as_list()
         leaves = [dst.root_shape[m] for m in group[1:]] + [dst.leaf_size(d)]
-        x = tf.reshape(x, shape[:start + 1] + leaves + shape[start + 2:])
-        specs[start + 1:start + 2] = [dtensor.UNSHARDED] * len(leaves)
-        x = dtensor.relayout(x, dtensor.Layout(specs, mesh))
-    return dtensor.relayout(x, dst.tf_layout)
+        if x is not None:
+            shape = x.shape.as_list()
+            x = tf.reshape(x, shape[:start] + [k1, shape[start] // k1] + shape[start + 1:])
+            x = dtensor.relayout(x, dtensor.Layout(specs[:start + 1] + [dtensor.UNSHARDED] + specs[start + 1:], mesh))
+            x = _gather_pieces(x, start, dst.piece_indices(d)[0], specs[:start + 1] + [dtensor.UNSHARDED] + specs[start + 1:], mesh)
+            shape = x.shape.as_list()
+            x = tf.reshape(x, shape[:start + 1] + leaves + shape[start + 2:])
+        specs[start + 1:start + 1] = [dtensor.UNSHARDED] * len(leaves)
+        sizes[start:start + 1] = [k1] + leaves
+        if x is not None:
+            x = dtensor.relayout(x, dtensor.Layout(specs, mesh))
+    steps = []
+    lead = list(inner.partial_mesh_dims)
+    for m, (p, q) in enumerate(zip(inner.root_placements, dst.root_placements)):
+        rode = p.is_partial() or isinstance(p, Shard)
+        if p == q or not rode or not isinstance(q, Shard) or q.dim not in dst.multi_dims \
+                or m == dst.shard_groups[q.dim][0]:
+            continue  # replicated inner mesh dims are a local shard at the end
+        name = root.axis_names[m]
+        b = specs.index(name)
+        c = len(lead) + sum(dst.physical_dims(i) for i in range(q.dim)) + dst.shard_groups[q.dim].index(m)
+        shards = math.prod(root.shape[root.axis_names.index(t)] for t in specs if t != dtensor.UNSHARDED)
+        k = root.shape[m]
+        sent = (k - 1) / k * math.prod(sizes) / shards * itemsize
+        x, specs = _move_mesh_dim(x, specs, b, c, mesh)
+        if p.is_partial():
+            if x is not None:
+                x = dtensor.relayout(_REDUCERS[p.reduce_op](x, axis=b), dtensor.Layout(specs[:b] + specs[b + 1:], mesh))
+            del specs[b], sizes[b]
+            lead.remove(m)
+            steps.append(TransformStep(name, p, q, "reduce_scatter", sent))
+        else:
+            steps.append(TransformStep(name, p, q, "all_to_all", sent))
+            n = dst.shape[p.dim]  # that dim is whole on every device now: drop its padding
+            if sizes[b] != n:
+                sizes[b] = n
+                if x is not None:
+                    size = x.shape.as_list()
+                    size[b] = n
+                    x = dtensor.relayout(tf.slice(x, [0] * len(size), size), dtensor.Layout(specs, mesh))
+    if x is not None:
+        x = dtensor.relayout(x, dst.tf_layout)
+    return x, steps
 
 
 def _empty(dtype: tf.DType, dst: DTensorSpec) -> tf.Tensor:
@@ -486,9 +570,9 @@ def redistribute_physical(x: tf.Tensor, src: DTensorSpec, dst: DTensorSpec) -> t
     if 0 in src.shape:
         return _empty(x.dtype, dst)
     itemsize = x.dtype.size
-    x, src, _ = _collapse(x, src, itemsize) if src.multi_dims else (x, src, [])
-    inner = dst.outer_only()
+    x, src, _ = _collapse(x, src, dst, itemsize) if src.multi_dims else (x, src, [])
+    inner = _ride_target(src, dst) if dst.multi_dims else dst
     prog = _run(x, src, inner, itemsize, _cheapest(src, inner, itemsize))
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug("redistribute %s: %s", src.shape, "; ".join(map(str, prog.steps)) or "local")
-    return _expand(prog.x, inner, dst) if dst.multi_dims else prog.x
+    return _expand(prog.x, inner, dst, itemsize)[0] if dst.multi_dims else prog.x
