@@ -223,8 +223,10 @@ def test_bad_plans_are_clear_errors():
     with pytest.raises(ValueError, match="is not divisible by mesh dim .tp."):
         odd = keras.Sequential([keras.Input((4,)), keras.layers.Dense(6, name="odd")])
         parallelize_module(odd, m["tp"], {"odd": ColwiseParallel()})
-    with pytest.raises(NotImplementedError, match="TF DTensor 2.21 mis-propagates"):
-        RowwiseParallel(output_layouts=Shard(1))
+    lora = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, name="down")])
+    lora.get_layer("down").enable_lora(2)
+    with pytest.raises(ValueError, match="lora_enabled=True"):
+        parallelize_module(lora, m["tp"], {"down": RowwiseParallel(output_layouts=Shard(0))})
     with pytest.raises(ValueError, match="matches plan keys"):
         parallelize_module(make_mlp(), m["tp"], {"up": ColwiseParallel(), "u*": ColwiseParallel()})
     # a failed call leaves nothing behind: no distribution, no variable moved

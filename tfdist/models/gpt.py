@@ -16,6 +16,7 @@ from tfdist.models.mlp import MLP
 from tfdist.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
+    PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -79,32 +80,46 @@ class GPT(keras.Model):
 
 
 def gpt_tp_plan(*, sequence_parallel: bool = False, loss_parallel: bool = False) -> dict[str, ParallelStyle]:
-    """The GPT plan: head-sharded attention, Megatron MLP, vocab-parallel embedding.
+    """The GPT plan, written as torchtitan writes Llama's: head-sharded attention,
+    Megatron MLP, vocabulary-parallel embedding.
 
-    ``sequence_parallel`` runs the norms on sequence shards (the Colwise
-    inputs then all-gather the sequence).  Row-parallel outputs stay
-    replicated: TF DTensor mis-handles a row-parallel output relayouted to a
-    sequence shard (docs/design.md), so the sequence is split at each norm's
-    input, a local slice.  ``loss_parallel`` leaves the logits sharded on the
-    vocabulary for ``loss_parallel()``.
+    ``sequence_parallel`` (Megatron-SP): the residual stream and the norms
+    are sharded on the sequence (``Shard(1)``); each attention and MLP
+    all-gathers the sequence once at its input and its row-parallel
+    projection reduce-scatters back onto the sequence -- no all-reduce.
+    ``loss_parallel`` leaves the logits sharded on the vocabulary for
+    ``loss_parallel()``.
     """
-    seq = Shard(1) if sequence_parallel else Replicate()
-    plan: dict[str, ParallelStyle] = {
-        "tok": RowwiseParallel(input_layouts=Replicate()),
-        "blocks.*.attn.query": ColwiseParallel(input_layouts=seq),
-        "blocks.*.attn.key": ColwiseParallel(input_layouts=seq),
-        "blocks.*.attn.value": ColwiseParallel(input_layouts=seq),
-        "blocks.*.attn.output": RowwiseParallel(),
-        "blocks.*.mlp.up": ColwiseParallel(input_layouts=seq),
-        "blocks.*.mlp.down": RowwiseParallel(),
+    if not sequence_parallel:
+        return {
+            "tok": RowwiseParallel(input_layouts=Replicate()),
+            "blocks.*.attn.query": ColwiseParallel(),
+            "blocks.*.attn.key": ColwiseParallel(),
+            "blocks.*.attn.value": ColwiseParallel(),
+            "blocks.*.attn.output": RowwiseParallel(),
+            "blocks.*.mlp.up": ColwiseParallel(),
+            "blocks.*.mlp.down": RowwiseParallel(),
+            "head": ColwiseParallel(output_layouts=Shard(-1) if loss_parallel else Replicate()),
+        }
+    return {
+        "tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "blocks.*.ln1": SequenceParallel(),
+        # MultiHeadAttention(query, value): the same normed tensor twice, gathered once
+        "blocks.*.attn": PrepareModuleInput(
+            input_layouts=(Shard(1), Shard(1)), desired_input_layouts=(Replicate(), Replicate())
+        ),
+        "blocks.*.attn.query": ColwiseParallel(),
+        "blocks.*.attn.key": ColwiseParallel(),
+        "blocks.*.attn.value": ColwiseParallel(),
+        "blocks.*.attn.output": RowwiseParallel(output_layouts=Shard(1)),
+        "blocks.*.ln2": SequenceParallel(),
+        "blocks.*.mlp.up": ColwiseParallel(input_layouts=Shard(1)),
+        "blocks.*.mlp.down": RowwiseParallel(output_layouts=Shard(1)),
+        "ln_f": SequenceParallel(),
         "head": ColwiseParallel(
-            input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate()
+            input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate()
         ),
     }
-    if sequence_parallel:
-        for name in ("blocks.*.ln1", "blocks.*.ln2", "ln_f"):
-            plan[name] = SequenceParallel(use_local_output=True)
-    return plan
 
 
 def parallelize_gpt(

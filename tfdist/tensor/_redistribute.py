@@ -379,18 +379,28 @@ def plan_redistribute(src: DTensorSpec, dst: DTensorSpec, itemsize: int = 4) -> 
 
 
 def relayout(x: tf.Tensor, layout: dtensor.Layout, source: dtensor.Layout | None = None) -> tf.Tensor:
-    """``dtensor.relayout`` that gathers one mesh dim at a time.
+    """``dtensor.relayout`` that gathers one mesh dim at a time and moves mesh dims safely.
 
-    For tfdist's own relayouts of raw TF DTensors (Keras variables, host
-    reads): a single relayout that gathers two mesh dims at once fails to
-    compile under the CollectiveGatherV2 lowering tfdist enables (see
-    ``_Program.all_gather``).  ``source`` is the current layout (read from
+    For tfdist's own relayouts of raw TF DTensors (Keras variables and
+    activations, host reads): a single relayout that gathers two mesh dims
+    at once fails to compile under the CollectiveGatherV2 lowering tfdist
+    enables (see ``_Program.all_gather``), and an all-to-all between two
+    dims other than dim 0 of a rank >= 4 tensor computes wrong values
+    (``_move_mesh_dim``), so a mesh dim that only moves goes through
+    ``_move_mesh_dim``.  ``source`` is the current layout (read from
     ``x`` in eager mode when not given).
     """
     if source is None:
         source = dtensor.fetch_layout(x)
     specs = list(source.sharding_specs)
-    for d, (have, want) in enumerate(zip(source.sharding_specs, layout.sharding_specs)):
+    wanted = list(layout.sharding_specs)
+    for b, name in enumerate(source.sharding_specs):
+        # a mesh dim that only changes tensor dim: one all-to-all (with _move_mesh_dim's workaround)
+        if name != dtensor.UNSHARDED and wanted[b] != name and name in wanted:
+            c = wanted.index(name)
+            if specs[c] == dtensor.UNSHARDED and specs[b] == name:
+                x, specs = _move_mesh_dim(x, specs, b, c, source.mesh)
+    for d, (have, want) in enumerate(zip(list(specs), wanted)):
         if have != dtensor.UNSHARDED and have != want:
             specs[d] = dtensor.UNSHARDED
             x = dtensor.relayout(x, dtensor.Layout(list(specs), source.mesh))

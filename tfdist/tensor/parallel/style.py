@@ -36,6 +36,8 @@ from tfdist.tensor._layout import (
     to_root_placements,
 )
 from tfdist.tensor._modules import LayerKind, ModuleBackend
+from tfdist.tensor._redistribute import relayout
+from tfdist.tensor.parallel import _row_partial
 from tfdist.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 __all__ = [
@@ -89,8 +91,23 @@ class _Context:
 
         return layout
 
-    def to_layout(self, x: Any, placements: Sequence[Placement] | None, use_local_output: bool = True) -> Any:
-        """Relayouts activation ``x`` to ``placements`` on the TP mesh (None: leave it)."""
+    def layout_of(self, placements: Sequence[Placement], rank: int) -> dtensor.Layout:
+        """The TF layout of an activation of ``rank`` dims with ``placements`` on the TP mesh."""
+        return physical_layout(self.root, self.root_placements(placements, rank), rank)
+
+    def to_layout(
+        self, x: Any, placements: Sequence[Placement] | None, use_local_output: bool = True,
+        arrives_as: Sequence[Placement] | None = None,
+    ) -> Any:
+        """Relayouts activation ``x`` to ``placements`` on the TP mesh (None: leave it).
+
+        ``arrives_as`` is the layout the input is declared to have (a style's
+        ``input_layouts``): the gradient goes back to it, as torch's backward
+        of a redistribute does.  TF's own gradient of a relayout
+        (``RelayoutLike``) leaves the layout to propagation, which TF DTensor
+        2.21 gets wrong when the input also feeds a residual
+        (docs/tf_dtensor_repros/rowwise_sequence_shard_output.py).
+        """
         if placements is None or x is None or self.modules.is_symbolic(x):
             return x
         x = as_tf(x)
@@ -107,11 +124,29 @@ class _Context:
                     f"{self.root.axis_names[m]!r} ({self.root.shape[m]}); choose sizes "
                     "divisible by the tensor-parallel degree."
                 )
-        y = dtensor.relayout(x, physical_layout(self.root, root, rank))
+        layout = physical_layout(self.root, root, rank)
+        if arrives_as is None or not x.dtype.is_floating:
+            y = dtensor.relayout(x, layout)
+        else:
+            y = _relayout_with_gradient(x, layout, self.layout_of(arrives_as, rank))
         if use_local_output:
             return y
         spec = DTensorSpec(self.root, root, tuple(y.shape.as_list()))
         return DTensor._wrap(y, spec)
+
+
+def _relayout_with_gradient(x: tf.Tensor, layout: dtensor.Layout, grad_layout: dtensor.Layout) -> tf.Tensor:
+    """``dtensor.relayout(x, layout)`` whose gradient is relayouted to ``grad_layout``."""
+
+    @tf.custom_gradient
+    def move(x):
+        def grad(dy):
+            # dy has the forward layout; go back one mesh dim at a time (see relayout)
+            return relayout(dtensor.relayout(dy, layout), grad_layout, source=layout)
+
+        return dtensor.relayout(x, layout), grad
+
+    return move(x)
 
 
 def _as_placements(layouts: Placement | Sequence[Placement] | None, default: Placement) -> tuple[Placement, ...]:
@@ -179,6 +214,12 @@ def _einsum_parts(kind: LayerKind) -> tuple[str, str, str]:
     return inp, ker, out
 
 
+def _contracted_letters(kind: LayerKind) -> list[str]:
+    """Kernel dims an EinsumDense sums over (in the input and the kernel, not the output)."""
+    inp, ker, out = _einsum_parts(kind)
+    return [c for c in ker if c in inp and c not in out]
+
+
 class ColwiseParallel(ParallelStyle):
     """Shards a layer's output features (torch: ``Linear`` weight ``Shard(0)``).
 
@@ -232,7 +273,8 @@ class ColwiseParallel(ParallelStyle):
         out_layouts = self.output_layouts or natural_out
 
         def before(args, kwargs):
-            return (ctx.to_layout(args[0], self.desired_input_layouts),) + tuple(args[1:]), kwargs
+            x = ctx.to_layout(args[0], self.desired_input_layouts, arrives_as=self.input_layouts)
+            return (x,) + tuple(args[1:]), kwargs
 
         def after(outputs):
             return ctx.to_layout(outputs, out_layouts, self.use_local_output)
@@ -246,38 +288,32 @@ class RowwiseParallel(ParallelStyle):
 
     Keras ``Dense`` kernel -> ``Shard(0)`` (bias replicated); ``EinsumDense``
     -> the first contracted kernel dim (the heads of a ``MultiHeadAttention``
-    output projection); ``Embedding`` table -> ``Shard(0)`` (vocabulary),
-    looked up as a one-hot matmul so each device reads only its rows.  The
-    input, arriving as ``input_layouts`` (default ``Shard(-1)``), is made
-    sharded on the contracted dim; the output is ``Replicate`` (one
-    all-reduce).  ``output_layouts=Shard(1)`` (torch's sequence-parallel
-    reduce-scatter) raises: TF DTensor mis-propagates that layout (see
-    docs/design.md); shard the sequence at the next ``SequenceParallel`` norm.
+    output projection); ``Embedding`` table -> ``Shard(0)`` (vocabulary):
+    each device looks up the ids in its own rows.  The input, arriving as
+    ``input_layouts`` (default ``Shard(-1)``), is made sharded on the
+    contracted dim.  The output is ``output_layouts``: ``Replicate()`` (the
+    default; one all-reduce) or a shard such as ``Shard(1)`` (torch's
+    sequence parallelism): the local products are a Partial that is
+    reduce-scattered onto that dim -- no all-reduce.
     """
 
     def __init__(self, *, input_layouts=None, output_layouts=None, use_local_output: bool = True) -> None:
         # input_layouts says how the input arrives (torch); it is moved to the
-        # layer's contracted-dim shard.
+        # layer's contracted-dim shard.  Not given: it arrives there (torch's
+        # Shard(-1) is that dim for a Linear; for an EinsumDense it is the
+        # contracted dim, e.g. the heads of an attention output projection).
         self.input_layouts = _as_placements(input_layouts, Shard(-1))
+        self._declared_input = input_layouts is not None
         self.output_layouts = _as_placements(output_layouts, Replicate())
         self.use_local_output = use_local_output
         _check_no_partial("input_layouts", self.input_layouts)
         _check_no_partial("output_layouts", self.output_layouts)
-        if any(isinstance(p, Shard) for p in self.output_layouts):
-            raise NotImplementedError(
-                f"RowwiseParallel(output_layouts={self.output_layouts!r}) is not supported: "
-                "TF DTensor 2.21 mis-propagates layouts when a contraction-sharded result is "
-                "relayouted to a shard (wrong gradients or a layout error; reproduction in "
-                "docs/tf_dtensor_repros/rowwise_sequence_shard_output.py). For sequence "
-                "parallelism keep the row-parallel output replicated and put "
-                "SequenceParallel() on the norms: the sequence is then sharded at the norm."
-            )
 
     def _plan(self, layer: Any, ctx: _Context) -> tuple[dict[str, list], tuple[Placement, ...]]:
         kind = ctx.modules.layer_kind(layer)
         if kind.kind == "einsum":
             inp, ker, out = _einsum_parts(kind)
-            contracted = [c for c in ker if c in inp and c not in out]
+            contracted = _contracted_letters(kind)
             if not contracted:
                 raise _unsupported("RowwiseParallel", layer, ctx, "EinsumDense with a contracted dim")
             letter = contracted[0]
@@ -291,16 +327,33 @@ class RowwiseParallel(ParallelStyle):
     def _weights(self, layer: Any, ctx: _Context) -> dict[str, list[Placement]]:
         return self._plan(layer, ctx)[0]
 
+    def _validate(self, layer: Any, ctx: _Context) -> None:
+        super()._validate(layer, ctx)
+        if self._reduces_explicitly(layer, ctx):
+            for attribute in ("lora_enabled", "quantization_mode"):
+                if getattr(layer, attribute, None):
+                    raise ValueError(
+                        f"RowwiseParallel(output_layouts={self.output_layouts!r}) on layer {ctx.fqn!r}: "
+                        f"the layer has {attribute}={getattr(layer, attribute)!r}, which the "
+                        "reduce-scattered row-parallel product does not cover; use output_layouts=Replicate()."
+                    )
+
+    def _reduces_explicitly(self, layer: Any, ctx: _Context) -> bool:
+        """Computed as a Partial and reduced by tfdist (else TF's in-op all-reduce)."""
+        kind = ctx.modules.layer_kind(layer).kind
+        return kind == "embedding" or any(isinstance(p, Shard) for p in self.output_layouts)
+
     def _apply(self, layer: Any, ctx: _Context) -> Any:
         weights, in_layouts = self._plan(layer, ctx)
         for name, placements in weights.items():
             ctx.modules.set_weight_layout(layer, name, ctx.weight_layout(placements))
-        kind = ctx.modules.layer_kind(layer)
-        if kind.kind == "embedding":
-            self._one_hot_lookup(layer, kind, ctx)
+        if self._reduces_explicitly(layer, ctx):
+            self._partial_call(layer, ctx, weights, in_layouts)
 
         def before(args, kwargs):
-            return (ctx.to_layout(args[0], in_layouts),) + tuple(args[1:]), kwargs
+            arrives = self.input_layouts if self._declared_input else in_layouts
+            x = ctx.to_layout(args[0], in_layouts, arrives_as=arrives)
+            return (x,) + tuple(args[1:]), kwargs
 
         def after(outputs):
             return ctx.to_layout(outputs, self.output_layouts, self.use_local_output)
@@ -308,22 +361,33 @@ class RowwiseParallel(ParallelStyle):
         ctx.modules.wrap_call(layer, before, after)
         return layer
 
-    @staticmethod
-    def _one_hot_lookup(layer: Any, kind: LayerKind, ctx: _Context) -> None:
-        """A vocabulary-sharded lookup: one-hot rows times the local table rows, summed."""
+    def _partial_call(self, layer: Any, ctx: _Context, weights: dict, in_layouts: tuple) -> None:
+        """The layer's call as a local (Partial) product reduced straight into ``output_layouts``."""
+        kind = ctx.modules.layer_kind(layer)
+        out_layouts = self.output_layouts
 
         def call(original, inputs, *args, **kwargs):
-            ids = as_tf(inputs)
-            if ctx.modules.is_symbolic(ids):
+            x = as_tf(inputs)
+            if ctx.modules.is_symbolic(x):
                 return original(inputs, *args, **kwargs)
-            table = tf.convert_to_tensor(ctx.modules.weights(layer)["embeddings"])
-            one_hot = tf.one_hot(tf.cast(ids, tf.int32), kind.num_embeddings, dtype=table.dtype)
-            rank = one_hot.shape.rank
-            one_hot = dtensor.relayout(
-                one_hot, physical_layout(ctx.root, ctx.root_placements([Shard(-1)], rank), rank)
-            )
-            lead = "abcefghijklmnopqrstu"[: rank - 1]  # TF DTensor lays out no '...' einsum
-            return tf.einsum(f"{lead}v,vw->{lead}w", one_hot, table)
+            if kind.kind == "embedding":
+                table = ctx.modules.weights(layer)["embeddings"]
+                stacked = _row_partial.partial_lookup(ctx, x, tf.convert_to_tensor(table))
+                return tf.cast(_row_partial.resolve_partial(ctx, stacked, out_layouts), layer.compute_dtype)
+            kernel = _row_partial.reads_as(layer.kernel, x.dtype)
+            rank = x.shape.rank
+            if kind.kind == "einsum":
+                equation, letter = kind.equation, _contracted_letters(kind)[0]
+            else:
+                lead = "abcdefghijlmopqrsuvwxy"[: rank - 1]
+                equation, letter = f"{lead}k,kn->{lead}n", "k"
+            x_specs = ctx.layout_of(in_layouts, rank).sharding_specs
+            k_specs = ctx.weight_layout(weights["kernel"])(kernel.shape.rank).sharding_specs
+            stacked = _row_partial.partial_einsum(ctx, equation, x, kernel, letter, x_specs, k_specs)
+            y = _row_partial.resolve_partial(ctx, stacked, out_layouts)
+            if layer.bias is not None:
+                y = y + _row_partial.reads_as(layer.bias, y.dtype)
+            return layer.activation(y) if layer.activation is not None else y
 
         ctx.modules.replace_call(layer, call)
 
@@ -350,7 +414,7 @@ class SequenceParallel(ParallelStyle):
         placements = (Shard(self.sequence_dim),)
 
         def before(args, kwargs):
-            return (ctx.to_layout(args[0], placements),) + tuple(args[1:]), kwargs
+            return (ctx.to_layout(args[0], placements, arrives_as=placements),) + tuple(args[1:]), kwargs
 
         def after(outputs):
             return ctx.to_layout(outputs, placements, self.use_local_output)
@@ -397,13 +461,25 @@ class PrepareModuleInput(ParallelStyle):
 
     def _apply(self, layer: Any, ctx: _Context) -> Any:
         def before(args, kwargs):
+            done: dict[tuple, Any] = {}  # one relayout per tensor: q and kv are often the same tensor
+
+            def prepare(x, given, desired):
+                if desired is None:
+                    return x
+                want = _as_placements(desired, Replicate())
+                key = (id(x), want)
+                if key not in done:
+                    arrives = None if given is None else _as_placements(given, Replicate())
+                    done[key] = (x, ctx.to_layout(x, want, self.use_local_output, arrives_as=arrives))
+                return done[key][1]
+
             args = list(args)
-            for i, desired in enumerate(self.desired_input_layouts):
-                if i < len(args) and desired is not None:
-                    args[i] = ctx.to_layout(args[i], _as_placements(desired, Replicate()), self.use_local_output)
+            for i, (given, desired) in enumerate(zip(self.input_layouts, self.desired_input_layouts)):
+                if i < len(args):
+                    args[i] = prepare(args[i], given, desired)
             for name, desired in self.desired_input_kwarg_layouts.items():
-                if name in kwargs and desired is not None:
-                    kwargs[name] = ctx.to_layout(kwargs[name], _as_placements(desired, Replicate()), self.use_local_output)
+                if name in kwargs:
+                    kwargs[name] = prepare(kwargs[name], self.input_kwarg_layouts[name], desired)
             return tuple(args), kwargs
 
         ctx.modules.wrap_call(layer, before, None)

@@ -1,0 +1,129 @@
+"""Row-parallel layers computed as torch computes them: a local product that is Partial, then
+one collective (a reduce-scatter into a sequence shard, or an all-reduce).
+
+TF DTensor resolves a contraction over a sharded dim inside the op (an
+all-reduce of the whole output); relayouting that result to a sequence
+shard afterwards moves twice the bytes of torch's reduce-scatter, and in
+2.21 it mis-propagates layouts in the backward pass
+(docs/tf_dtensor_repros/rowwise_sequence_shard_output.py).  Here the
+contracted dim ``K`` is split into ``[T, K/T]`` (``T`` = the tensor-parallel
+degree; a local reshape, ``T`` sharded) and ``T`` is kept as a leading
+output axis: each device's own product, the physical form of a
+``Partial("sum")``.  The reduction then happens where torch's would:
+
+* ``Shard(d)``: an all-to-all of the ``T`` axis onto dim ``d`` and a local
+  sum -- the bytes of a ring reduce-scatter; its backward is the reverse
+  all-to-all, the bytes of torch's all-gather.
+* ``Replicate()``: a sum over the ``T`` axis, which TF runs as one
+  all-reduce.
+
+A vocabulary-sharded ``Embedding`` is looked up the same way: each device
+gathers its own rows for the ids in its range (zeros elsewhere), a Partial
+of ``[batch, seq, dim]`` -- no one-hot ``[batch, seq, vocab/T]``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from tfdist.tensor._layout import physical_layout
+from tfdist.tensor._redistribute import _move_mesh_dim
+from tfdist.tensor.placement_types import Partial, Placement, Replicate, Shard
+
+__all__ = ["partial_einsum", "partial_lookup", "resolve_partial"]
+
+
+def _tp_dim(ctx) -> int:
+    """The root mesh dim of the (1-D) tensor-parallel mesh."""
+    return ctx.mesh.root_dims[0]
+
+
+def _stacked_layout(ctx, rank: int) -> dtensor.Layout:
+    """Layout of a Partial on the TP mesh dim with ``rank`` logical dims (batch kept on dp)."""
+    root = list(ctx.root_placements([Replicate()], rank))
+    root[_tp_dim(ctx)] = Partial("sum")
+    return physical_layout(ctx.root, root, rank)
+
+
+def _split_axis(x: tf.Tensor, specs: Sequence[str], axis: int, parts: int, mesh) -> tf.Tensor:
+    """Axis ``axis`` of ``x`` (sharded ``parts`` ways) -> ``[parts, n/parts]``, the first sharded: local."""
+    shape = tf.unstack(tf.shape(x)) if None in x.shape.as_list() else x.shape.as_list()
+    size = x.shape[axis]
+    new_shape = list(shape[:axis]) + [parts, size // parts] + list(shape[axis + 1:])
+    new_specs = list(specs[:axis]) + [specs[axis], dtensor.UNSHARDED] + list(specs[axis + 1:])
+    return dtensor.relayout(tf.reshape(x, new_shape), dtensor.Layout(new_specs, mesh))
+
+
+def partial_einsum(
+    ctx, equation: str, x: tf.Tensor, kernel: tf.Tensor, letter: str,
+    x_specs: Sequence[str], kernel_specs: Sequence[str],
+) -> tf.Tensor:
+    """``einsum(equation, x, kernel)`` with contracted ``letter`` sharded on the TP mesh dim,
+    left as a stacked Partial ``[T, *out]``.
+
+    Example: ``"bsk,kn->bsn"`` with ``k`` sharded runs ``"bstk,tkn->tbsn"``.
+    """
+    lhs, out = equation.split("->")
+    inp, ker = lhs.split(",")
+    t = next(c for c in "tzyxwvuqponmlkjihgfedcba" if c not in equation)
+    parts = ctx.root.shape[_tp_dim(ctx)]
+    mesh = ctx.root.to_tf()
+    xs = _split_axis(x, x_specs, inp.index(letter), parts, mesh)
+    ks = _split_axis(kernel, kernel_specs, ker.index(letter), parts, mesh)
+    y = tf.einsum(f"{inp.replace(letter, t + letter)},{ker.replace(letter, t + letter)}->{t}{out}", xs, ks)
+    return dtensor.relayout(y, _stacked_layout(ctx, len(out)))
+
+
+def partial_lookup(ctx, ids: tf.Tensor, table: tf.Tensor) -> tf.Tensor:
+    """Rows of a vocabulary-sharded ``table`` ``[V, D]`` for ``ids``, as a stacked Partial ``[T, *ids.shape, D]``.
+
+    Device ``t`` owns rows ``[t V/T, (t+1) V/T)``: it gathers the ids in that
+    range from its own rows and gives zeros for the others.
+    """
+    parts = ctx.root.shape[_tp_dim(ctx)]
+    vocab, mesh = int(table.shape[0]), ctx.root.to_tf()
+    rows = vocab // parts
+    tp = ctx.root.axis_names[_tp_dim(ctx)]
+    local_table = dtensor.relayout(
+        tf.reshape(table, [parts, rows] + table.shape.as_list()[1:]),
+        dtensor.Layout([tp] + [dtensor.UNSHARDED] * table.shape.rank, mesh),
+    )
+    ids = tf.cast(ids, tf.int32)
+    rank = ids.shape.rank
+    ids_layout = _stacked_layout(ctx, rank)
+    offsets = tf.reshape(tf.range(parts, dtype=tf.int32) * rows, [parts] + [1] * rank)
+    local = tf.expand_dims(ids, 0) - offsets
+    mine = dtensor.relayout(tf.logical_and(local >= 0, local < rows), ids_layout)
+    local = dtensor.relayout(tf.where(mine, local, tf.zeros_like(local)), ids_layout)
+    rows_out = tf.gather(local_table, local, axis=1, batch_dims=1)
+    y = rows_out * tf.cast(tf.expand_dims(mine, -1), rows_out.dtype)
+    return dtensor.relayout(y, _stacked_layout(ctx, rank + 1))
+
+
+def resolve_partial(ctx, stacked: tf.Tensor, placements: Sequence[Placement]) -> tf.Tensor:
+    """A stacked Partial ``[T, *shape]`` -> ``placements`` on the TP mesh (Replicate or one Shard)."""
+    rank = stacked.shape.rank - 1
+    target = physical_layout(ctx.root, ctx.root_placements(placements, rank), rank)
+    shard = next((p for p in placements if isinstance(p, Shard)), None)
+    if shard is None:
+        return dtensor.relayout(tf.reduce_sum(stacked, axis=0), target)
+    d = shard.dim % rank
+    size, parts = stacked.shape[d + 1], ctx.root.shape[_tp_dim(ctx)]
+    if size is not None and size % parts:
+        raise ValueError(
+            f"layer {ctx.fqn!r}: output dim {d} of size {size} cannot be reduce-scattered over "
+            f"mesh dim {ctx.root.axis_names[_tp_dim(ctx)]!r} ({parts}); choose sizes divisible "
+            "by the tensor-parallel degree."
+        )
+    specs = list(_stacked_layout(ctx, rank).sharding_specs)
+    moved, _ = _move_mesh_dim(stacked, specs, 0, d + 1, ctx.root.to_tf())
+    return dtensor.relayout(tf.reduce_sum(moved, axis=0), target)
+
+
+def reads_as(x: Any, dtype: tf.DType) -> tf.Tensor:
+    """A variable's value as a tensor of ``dtype`` (Keras autocasts weights to the compute dtype)."""
+    value = tf.convert_to_tensor(x)
+    return value if value.dtype == dtype else tf.cast(value, dtype)
