@@ -93,6 +93,10 @@ PATCHES: tuple[Patch, ...] = (
           "process", "batches fed as DTensors from an eager iterator (TF DTensor cannot lay out IteratorGetNext)"),
     Patch("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer", "make_predict_function", ("self", "force"),
           "process", "predict batches fed as DTensors, outputs gathered"),
+    Patch("tensorflow.python.eager.polymorphic_function.concrete_function", "ConcreteFunction", "_call_flat",
+          ("self", "tensor_inputs", "captured_inputs"), "process",
+          "plain eager tensors passed to a tf.function on DTensors are replicated onto their mesh "
+          "(torch's Replicate annotation; TF DTensor refuses them)", "tensorflow 2.21"),
     Patch("keras.src.backend.tensorflow.nn", None, "sparse_categorical_crossentropy",
           ("target", "output", "from_logits", "axis"), "with",
           "loss_parallel: cross-entropy on class-sharded logits without a gather"),
