@@ -89,6 +89,8 @@ PATCHES: tuple[Patch, ...] = (
           "process", "optimizer slots take their parameter's layout"),
     Patch(_OPT, "TFOptimizer", "_backend_update_step", ("self", "grads", "trainable_variables", "learning_rate"),
           "process", "IndexedSlices gradients made dense (DTensor cannot lay out ResourceScatterAdd)"),
+    Patch("keras.src.optimizers.base_optimizer", "BaseOptimizer", "build", ("self", "variables"), "process",
+          "the optimizer's own variables (iterations, learning rate) join the mesh of the variables it trains"),
     Patch("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer", "_make_function", ("self", "step_function"),
           "process", "batches fed as DTensors from an eager iterator (TF DTensor cannot lay out IteratorGetNext)"),
     Patch("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer", "make_predict_function", ("self", "force"),

@@ -58,6 +58,41 @@ _NORMS = tuple(
 )
 
 
+# Methods that may create variables (builds, metrics, optimizer state) or feed batches.
+_SCOPED_METHODS = (
+    "build", "call", "compile", "fit", "evaluate", "predict",
+    "train_on_batch", "test_on_batch", "predict_on_batch",
+)
+
+
+def _own_distribution(module: Any, distribution: Any) -> None:
+    """``module`` runs under ``distribution`` whatever the global one is.
+
+    torch keeps a module's mesh on its parameters; Keras reads one global
+    distribution when it creates variables.  Each parallelized model gets
+    its own (``module._tfdist_distribution``), made current by
+    ``distribution.scope()`` around this instance's building, calling,
+    compiling and training methods -- so models on different meshes live in
+    one process, and ``keras.distribution.set_distribution`` elsewhere does
+    not move them.
+    """
+    module._tfdist_distribution = distribution
+    for name in _SCOPED_METHODS:
+        method = getattr(module, name, None)
+        if method is None or getattr(method, "_tfdist_scoped", False):
+            continue
+
+        def scoped(*args, _method=method, **kwargs):
+            if keras.distribution.distribution() is module._tfdist_distribution:
+                return _method(*args, **kwargs)
+            with module._tfdist_distribution.scope():
+                return _method(*args, **kwargs)
+
+        scoped = functools.wraps(method)(scoped)
+        scoped._tfdist_scoped = True
+        setattr(module, name, scoped)  # this instance only
+
+
 class KerasModules:
     """The ModuleBackend for Keras 3 layers and models."""
 
@@ -168,18 +203,22 @@ class KerasModules:
         return isinstance(x, keras.KerasTensor)
 
     def attach_mesh(self, module: Any, mesh: DeviceMesh, batch_axis: int | None) -> None:
+        """Gives ``module`` its own distribution on ``mesh`` (see ``_own_distribution``)."""
         root = mesh.root_mesh
-        current = keras.distribution.distribution()
-        if current is not None:
-            if tfdist_mesh(current.device_mesh).to_tf() != root.to_tf():
-                raise ValueError(
-                    "the active keras distribution uses another mesh than device_mesh; "
-                    "parallelize under one mesh. Active: "
-                    f"{current.device_mesh}, device_mesh: {mesh!r}"
-                )
-        else:
-            name = root.axis_names[batch_axis] if batch_axis is not None else None
-            keras.distribution.set_distribution(MeshDistribution(root, batch_dim_name=name))
+        own = getattr(module, "_tfdist_distribution", None)
+        if own is not None and tfdist_mesh(own.device_mesh).to_tf() != root.to_tf():
+            raise ValueError(
+                f"{module.name!r} is already parallelized on mesh {tfdist_mesh(own.device_mesh)!r}; "
+                f"a model never changes mesh. Build a new model for device_mesh {mesh!r}."
+            )
+        if own is None:
+            current = keras.distribution.distribution()
+            if current is not None and tfdist_mesh(current.device_mesh).to_tf() == root.to_tf():
+                own = current  # the user's distribution on this mesh (its layout map, batch dim)
+            else:
+                name = root.axis_names[batch_axis] if batch_axis is not None else None
+                own = MeshDistribution(root, batch_dim_name=name)
+            _own_distribution(module, own)
         if batch_axis is not None:
             module._tfdist_batch_dim = root.axis_names[batch_axis]
 

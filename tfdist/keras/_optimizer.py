@@ -78,4 +78,32 @@ def install() -> None:
             return original_update(self, grads, trainable_variables, learning_rate)
 
     _patches.install(opt + "_backend_update_step", _backend_update_step)
+
+    base = "keras.src.optimizers.base_optimizer:BaseOptimizer.build"
+    original_build = _patches.original(base)
+
+    def build(self, variables):
+        original_build(self, variables)
+        _join_mesh(self, variables)
+
+    _patches.install(base, build)
     TFOptimizer._tfdist_installed = True
+
+
+def _join_mesh(optimizer, variables) -> None:
+    """The optimizer's own variables (iterations, learning rate) go to the mesh it trains on.
+
+    They are made when the optimizer is constructed, usually outside any
+    distribution (each parallelized model has its own, see
+    tfdist.keras._modules); a step that mixes them with DVariables fails in
+    TF DTensor.  Replicated on the parameters' mesh they are what Keras
+    would have made under that model's distribution.
+    """
+    meshes = {_variables.layout_of(v._value).mesh for v in variables if _variables.is_dtensor_variable(v)}
+    if len(meshes) != 1:
+        return
+    mesh = meshes.pop()
+    with tf.init_scope():
+        for variable in optimizer.variables:
+            if not _variables.is_dtensor_variable(variable):
+                _variables.to_dvariable(variable, dtensor.Layout.replicated(mesh, len(variable.shape)))

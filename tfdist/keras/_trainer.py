@@ -26,9 +26,14 @@ from tfdist.keras._backend import tfdist_mesh
 __all__ = ["install", "mesh_of", "check_layout_map"]
 
 
+def distribution_of(model):
+    """The model's own distribution (parallelize_module gives one), else the global one."""
+    return getattr(model, "_tfdist_distribution", None) or keras.distribution.distribution()
+
+
 def mesh_of(model):
     """(root tfdist DeviceMesh, batch mesh dim index or None) of a distributed model."""
-    distribution = keras.distribution.distribution()
+    distribution = distribution_of(model)
     tf_mesh = next(
         (_variables.layout_of(v._value).mesh for v in model.variables if _variables.is_dtensor_variable(v)),
         None,
@@ -59,7 +64,7 @@ def mesh_of(model):
 
 def check_layout_map(model) -> None:
     """Every LayoutMap key must match a variable: a silently replicated model is an error."""
-    distribution = keras.distribution.distribution()
+    distribution = distribution_of(model)
     layout_map = getattr(distribution, "_layout_map", None)
     if layout_map is None or getattr(model, "_tfdist_layout_map_checked", False):
         return
@@ -79,7 +84,7 @@ def _distributed(model) -> bool:
     variables = model.variables
     if variables:
         return any(_variables.is_dtensor_variable(v) for v in variables)
-    return keras.distribution.distribution() is not None
+    return distribution_of(model) is not None
 
 
 def install() -> None:
