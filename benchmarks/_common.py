@@ -10,6 +10,8 @@ import statistics
 import time
 from typing import Callable
 
+import numpy as np
+
 RESULTS = pathlib.Path(__file__).parent / "results"
 
 
@@ -39,3 +41,44 @@ def print_table(rows: list[dict], columns: list[str]) -> None:
     print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
     for row in cells:
         print("  ".join(x.ljust(w) for x, w in zip(row, widths)))
+
+
+# Bytes a device sends for one collective of output size O over a group of k (ring algorithms).
+_WIRE = {
+    "CollectiveGatherV2": lambda out, k: (k - 1) / k * out,
+    "CollectiveReduceV2": lambda out, k: 2 * (k - 1) / k * out,
+    "CollectiveAllToAllV2": lambda out, k: (k - 1) / k * out,
+    "CollectiveReduceScatterV2": lambda out, k: (k - 1) * out,
+}
+
+
+def executed_collective_bytes(fn: Callable[[], object], device: str = "CPU:0") -> dict[str, float]:
+    """Bytes ``device`` sends per call of ``fn``, by collective kernel, read from what TF ran.
+
+    ``fn`` must call a ``tf.function`` not yet run: TF exports the partition
+    graphs (the per-device programs DTensor's SPMD expansion produced, with
+    every collective's output shape and group size) once per function
+    instantiation.  The wire bytes per collective use the ring formulas above.
+    """
+    import tensorflow as tf
+    from tensorflow.python.eager import context
+
+    context.enable_run_metadata()
+    try:
+        fn()
+        metadata = context.export_run_metadata()
+    finally:
+        context.disable_run_metadata()
+    sent: dict[str, float] = {}
+    for function in metadata.function_graphs:
+        for graph in function.partition_graphs:
+            nodes = {n.name: n for n in graph.node}
+            for node in graph.node:
+                if node.op not in _WIRE or not node.device.endswith(device):
+                    continue
+                shape = [d.size for d in node.attr["_output_shapes"].list.shape[0].dim]
+                itemsize = tf.dtypes.as_dtype(node.attr["T"].type).size
+                group = tf.make_ndarray(nodes[node.input[1].split(":")[0]].attr["value"].tensor)
+                out = float(np.prod(shape)) * itemsize
+                sent[node.op] = sent.get(node.op, 0.0) + _WIRE[node.op](out, int(group))
+    return sent

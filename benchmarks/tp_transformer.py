@@ -3,7 +3,10 @@
 All four run the same model (GPT, SGD) on the same batch:
 
 - tfdist: Keras 3 ``GPT`` + ``parallelize_gpt`` on a 2x4 mesh (dp x tp),
-  timed as Keras' own train function (one ``model.fit`` step);
+  timed as Keras' own train function (one ``model.fit`` step), with the
+  TP-only plan and with torch's sequence-parallel plan
+  (``sequence_parallel=True``); the bytes each device sends per step are
+  read from the programs TF executed (``executed_collective_bytes``);
 - raw TF DTensor: the same math written by hand on ``dtensor.DVariable``s
   with the same layouts, in one ``tf.function``;
 - one device: the Keras 3 model without any distribution;
@@ -32,7 +35,7 @@ tfdist.virtual_cpus(8)
 import keras  # noqa: E402
 from tensorflow.experimental import dtensor  # noqa: E402
 
-from _common import print_table, time_call, write_results  # noqa: E402
+from _common import executed_collective_bytes, print_table, time_call, write_results  # noqa: E402
 from tfdist.keras import _data  # noqa: E402
 from tfdist.models import GPT, parallelize_gpt  # noqa: E402
 
@@ -188,10 +191,20 @@ def main() -> None:
     raw = raw_dtensor_step_fn(reference, mesh.to_tf(), x, y)
     raw_one = raw_dtensor_step_fn(reference, None, x, y)
     one = keras_step_fn(make_gpt(), x, y)
-    model = parallelize_gpt(make_gpt(), mesh)
-    ours = keras_step_fn(model, x, y, mesh)
+    ours = keras_step_fn(parallelize_gpt(make_gpt(), mesh), x, y, mesh)
+    ours_sp = keras_step_fn(parallelize_gpt(make_gpt(), mesh, sequence_parallel=True), x, y, mesh)
+    # The first step of every program, from the same weights on the same batch: same loss.
+    first, sent = {}, {}
+    for name, fn in (("tp", ours), ("tp+sp", ours_sp), ("raw", raw), ("one", one), ("raw_one", raw_one)):
+        out = []
+        sent[name] = executed_collective_bytes(lambda fn=fn: out.append(fn()))
+        loss = out[0]["loss"] if isinstance(out[0], dict) else out[0]
+        first[name] = float(_data.gather_to_numpy(loss))
+    if max(first.values()) - min(first.values()) > 1e-4 * abs(first["one"]):
+        raise SystemExit(f"the programs disagree on the first step's loss: {first}")
     rows = []
-    programs = (("tfdist (Keras 3 + parallelize_gpt)", ours), ("raw TF DTensor (hand-written)", raw),
+    programs = (("tfdist (Keras 3 + parallelize_gpt)", ours), ("tfdist, sequence-parallel plan", ours_sp),
+                ("raw TF DTensor (hand-written)", raw),
                 ("one device (Keras 3)", one), ("one device (hand-written TF)", raw_one))
     # Interleaved rounds, median of the round medians: a 2-core machine is noisy.
     samples: dict[str, list[float]] = {name: [] for name, _ in programs}
@@ -204,8 +217,16 @@ def main() -> None:
     if tf_keras_fn is not None:
         timings["tf_keras DTensor layout map"] = time_call(tf_keras_fn, lambda out: out, warmup=2, repeat=args.steps)
     base = timings["raw TF DTensor (hand-written)"]
+    sent_by_program = {"tfdist (Keras 3 + parallelize_gpt)": sent["tp"], "tfdist, sequence-parallel plan": sent["tp+sp"],
+                       "raw TF DTensor (hand-written)": sent["raw"]}
     for name, ms in timings.items():
-        rows.append({"program": name, "step_ms": round(ms, 2), "vs_raw_dtensor": round(ms / base, 3)})
+        row = {"program": name, "step_ms": round(ms, 2), "vs_raw_dtensor": round(ms / base, 3)}
+        if name in sent_by_program:
+            by_kernel = sent_by_program[name]
+            row["MB_sent_per_device"] = round(sum(by_kernel.values()) / 2**20, 3)
+            row["by_kernel_MB"] = {k.replace("Collective", "").replace("V2", ""): round(v / 2**20, 3)
+                                   for k, v in sorted(by_kernel.items())}
+        rows.append(row)
     keras_overhead = timings["one device (Keras 3)"] / timings["one device (hand-written TF)"]
     tfdist_overhead = timings["tfdist (Keras 3 + parallelize_gpt)"] / base
     meta_ratios = {"keras_vs_handwritten_one_device": round(keras_overhead, 3),
@@ -213,9 +234,10 @@ def main() -> None:
     if tf_keras_error:
         rows.append({"program": "tf_keras DTensor layout map", "step_ms": "failed", "vs_raw_dtensor": tf_keras_error})
     meta = {"model": dict(vocab=VOCAB, seq=SEQ, dim=DIM, heads=HEADS, depth=DEPTH, batch=BATCH),
+            "first_step_loss": first,
             "mesh": "2x4 (dp x tp), 8 virtual CPUs", "optimizer": "SGD", "ratios": meta_ratios}
     path = write_results("tp_transformer", rows, meta)
-    print_table(rows, ["program", "step_ms", "vs_raw_dtensor"])
+    print_table(rows, ["program", "step_ms", "vs_raw_dtensor", "MB_sent_per_device", "by_kernel_MB"])
     print(f"\nKeras 3 step vs hand-written TF, one device: {meta_ratios['keras_vs_handwritten_one_device']}x; "
           f"tfdist Keras step vs hand-written TF DTensor: {meta_ratios['tfdist_keras_vs_handwritten_dtensor']}x")
     print(f"wrote {path}")

@@ -37,7 +37,7 @@ from tfdist.tensor._layout import (
 )
 from tfdist.tensor._modules import LayerKind, ModuleBackend
 from tfdist.tensor._redistribute import relayout
-from tfdist.tensor.parallel import _row_partial
+from tfdist.tensor.parallel import _partial_products
 from tfdist.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 __all__ = [
@@ -271,9 +271,14 @@ class ColwiseParallel(ParallelStyle):
         for name, placements in weights.items():
             ctx.modules.set_weight_layout(layer, name, ctx.weight_layout(placements))
         out_layouts = self.output_layouts or natural_out
+        product = self._gathered_equation(layer, ctx)
+        # a sharded input is gathered inside the product (its gradient reduce-scattered back)
+        desired = self.input_layouts if product is not None else self.desired_input_layouts
+        if product is not None:
+            self._gathered_call(layer, ctx, weights, *product)
 
         def before(args, kwargs):
-            x = ctx.to_layout(args[0], self.desired_input_layouts, arrives_as=self.input_layouts)
+            x = ctx.to_layout(args[0], desired, arrives_as=self.input_layouts)
             return (x,) + tuple(args[1:]), kwargs
 
         def after(outputs):
@@ -281,6 +286,43 @@ class ColwiseParallel(ParallelStyle):
 
         ctx.modules.wrap_call(layer, before, after)
         return layer
+
+    def _gathered_equation(self, layer: Any, ctx: _Context) -> tuple[str, str] | None:
+        """(equation, sharded output letter) when the input arrives sharded and torch's
+        backward (a reduce-scatter of the input gradient) can be written; else None."""
+        if not any(isinstance(p, Shard) for p in self.input_layouts):
+            return None
+        if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
+            return None
+        kind = ctx.modules.layer_kind(layer)
+        if kind.kind == "dense":
+            return "dense", "n"
+        if kind.kind == "einsum":
+            inp, ker, out = _einsum_parts(kind)
+            free = [c for c in ker if c in out and c not in inp]
+            if free and all(c in out or c in ker for c in inp) and all(c in inp or c in out for c in ker):
+                return kind.equation, free[0]
+        return None
+
+    def _gathered_call(self, layer: Any, ctx: _Context, weights: dict, equation: str, letter: str) -> None:
+        arrives_as = self.input_layouts
+
+        def call(original, inputs, *args, **kwargs):
+            x = as_tf(inputs)
+            if ctx.modules.is_symbolic(x):
+                return original(inputs, *args, **kwargs)
+            kernel = _partial_products.reads_as(layer.kernel, x.dtype)
+            eq = equation
+            if eq == "dense":
+                lead = "abcdefghijlmopqrsuvwxy"[: x.shape.rank - 1]
+                eq = f"{lead}k,kn->{lead}n"
+            kernel_layout = ctx.weight_layout(weights["kernel"])(kernel.shape.rank)
+            y = _partial_products.gathered_product(ctx, eq, x, kernel, letter, arrives_as, kernel_layout)
+            if layer.bias is not None:
+                y = y + _partial_products.reads_as(layer.bias, y.dtype)
+            return layer.activation(y) if layer.activation is not None else y
+
+        ctx.modules.replace_call(layer, call)
 
 
 class RowwiseParallel(ParallelStyle):
@@ -372,9 +414,9 @@ class RowwiseParallel(ParallelStyle):
                 return original(inputs, *args, **kwargs)
             if kind.kind == "embedding":
                 table = ctx.modules.weights(layer)["embeddings"]
-                stacked = _row_partial.partial_lookup(ctx, x, tf.convert_to_tensor(table))
-                return tf.cast(_row_partial.resolve_partial(ctx, stacked, out_layouts), layer.compute_dtype)
-            kernel = _row_partial.reads_as(layer.kernel, x.dtype)
+                stacked = _partial_products.partial_lookup(ctx, x, tf.convert_to_tensor(table))
+                return tf.cast(_partial_products.resolve_partial(ctx, stacked, out_layouts), layer.compute_dtype)
+            kernel = _partial_products.reads_as(layer.kernel, x.dtype)
             rank = x.shape.rank
             if kind.kind == "einsum":
                 equation, letter = kind.equation, _contracted_letters(kind)[0]
@@ -383,10 +425,10 @@ class RowwiseParallel(ParallelStyle):
                 equation, letter = f"{lead}k,kn->{lead}n", "k"
             x_specs = ctx.layout_of(in_layouts, rank).sharding_specs
             k_specs = ctx.weight_layout(weights["kernel"])(kernel.shape.rank).sharding_specs
-            stacked = _row_partial.partial_einsum(ctx, equation, x, kernel, letter, x_specs, k_specs)
-            y = _row_partial.resolve_partial(ctx, stacked, out_layouts)
+            stacked = _partial_products.partial_einsum(ctx, equation, x, kernel, letter, x_specs, k_specs)
+            y = _partial_products.resolve_partial(ctx, stacked, out_layouts)
             if layer.bias is not None:
-                y = y + _row_partial.reads_as(layer.bias, y.dtype)
+                y = y + _partial_products.reads_as(layer.bias, y.dtype)
             return layer.activation(y) if layer.activation is not None else y
 
         ctx.modules.replace_call(layer, call)

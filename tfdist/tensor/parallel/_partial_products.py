@@ -1,5 +1,6 @@
-"""Row-parallel layers computed as torch computes them: a local product that is Partial, then
-one collective (a reduce-scatter into a sequence shard, or an all-reduce).
+"""Products computed as torch computes them: a local product that is Partial, then one
+collective (a reduce-scatter into a sequence shard, or an all-reduce).  Used for the
+forward of row-parallel layers and the input gradient of column-parallel ones.
 
 TF DTensor resolves a contraction over a sharded dim inside the op (an
 all-reduce of the whole output); relayouting that result to a sequence
@@ -17,6 +18,12 @@ output axis: each device's own product, the physical form of a
 * ``Replicate()``: a sum over the ``T`` axis, which TF runs as one
   all-reduce.
 
+The column-parallel layer of sequence parallelism (``ColwiseParallel(
+input_layouts=Shard(1))``) all-gathers its input; TF would resolve the
+input's gradient inside the matmul gradient (an all-reduce, then a slice).
+``gathered_product`` gives it torch's backward instead: the gradient product
+as a Partial, reduce-scattered back onto the sequence.
+
 A vocabulary-sharded ``Embedding`` is looked up the same way: each device
 gathers its own rows for the ids in its range (zeros elsewhere), a Partial
 of ``[batch, seq, dim]`` -- no one-hot ``[batch, seq, vocab/T]``.
@@ -30,10 +37,10 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfdist.tensor._layout import physical_layout
-from tfdist.tensor._redistribute import _move_mesh_dim
+from tfdist.tensor._redistribute import _move_mesh_dim, relayout
 from tfdist.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-__all__ = ["partial_einsum", "partial_lookup", "resolve_partial"]
+__all__ = ["gathered_product", "partial_einsum", "partial_lookup", "resolve_partial"]
 
 
 def _tp_dim(ctx) -> int:
@@ -121,6 +128,44 @@ def resolve_partial(ctx, stacked: tf.Tensor, placements: Sequence[Placement]) ->
     specs = list(_stacked_layout(ctx, rank).sharding_specs)
     moved, _ = _move_mesh_dim(stacked, specs, 0, d + 1, ctx.root.to_tf())
     return dtensor.relayout(tf.reduce_sum(moved, axis=0), target)
+
+
+def gathered_product(
+    ctx, equation: str, x: tf.Tensor, kernel: tf.Tensor, letter: str,
+    arrives_as: Sequence[Placement], kernel_layout: dtensor.Layout,
+) -> tf.Tensor:
+    """``einsum(equation, all_gather(x), kernel)``, ``x`` arriving as ``arrives_as`` (a shard),
+    ``letter`` the output feature dim the kernel shards on the TP mesh dim.
+
+    Backward: the input gradient ``dy . kernel^T`` contracts the sharded
+    ``letter``: computed as a Partial and reduce-scattered to ``arrives_as``
+    (torch's backward of the all-gather), not all-reduced.
+    """
+    lhs, out = equation.split("->")
+    inp, ker = lhs.split(",")
+    rank_in, rank_out = len(inp), len(out)
+    gathered = ctx.layout_of([Replicate()], rank_in)
+    arrived = ctx.layout_of(arrives_as, rank_in)
+    out_layout = ctx.layout_of([Shard(out.index(letter))], rank_out)
+
+    @tf.custom_gradient
+    def product(x, kernel):
+        full = relayout(x, gathered, source=arrived)  # the all-gather
+        y = dtensor.relayout(tf.einsum(equation, full, kernel), out_layout)
+
+        def grad(dy):
+            dy = dtensor.relayout(dy, out_layout)
+            stacked = partial_einsum(
+                ctx, f"{out},{ker}->{inp}", dy, kernel, letter, out_layout.sharding_specs,
+                kernel_layout.sharding_specs,
+            )
+            dx = resolve_partial(ctx, stacked, arrives_as)
+            dkernel = dtensor.relayout(tf.einsum(f"{inp},{out}->{ker}", full, dy), kernel_layout)
+            return dx, dkernel
+
+        return y, grad
+
+    return product(x, kernel)
 
 
 def reads_as(x: Any, dtype: tf.DType) -> tf.Tensor:
