@@ -52,6 +52,37 @@ _WIRE = {
 }
 
 
+def _partition_graphs(fn: Callable[[], object]):
+    """The per-device programs TF ran for ``fn`` (whose tf.function must not have run yet)."""
+    from tensorflow.python.eager import context
+
+    context.enable_run_metadata()
+    try:
+        fn()
+        metadata = context.export_run_metadata()
+    finally:
+        context.disable_run_metadata()
+    return [g for function in metadata.function_graphs for g in function.partition_graphs]
+
+
+def largest_tensor_bytes(fn: Callable[[], object], device: str = "CPU:0") -> int:
+    """The largest tensor any op of ``fn``'s program produces on ``device`` (bytes)."""
+    import tensorflow as tf
+
+    largest = 0
+    for graph in _partition_graphs(fn):
+        for node in graph.node:
+            if not node.device.endswith(device) or "_output_shapes" not in node.attr:
+                continue
+            dtype = node.attr["T"].type if "T" in node.attr else node.attr["dtype"].type if "dtype" in node.attr else 0
+            itemsize = tf.dtypes.as_dtype(dtype).size if dtype else 4
+            for shape in node.attr["_output_shapes"].list.shape:
+                dims = [d.size for d in shape.dim]
+                if dims and min(dims) >= 0:
+                    largest = max(largest, int(np.prod(dims)) * itemsize)
+    return largest
+
+
 def executed_collective_bytes(fn: Callable[[], object], device: str = "CPU:0") -> dict[str, float]:
     """Bytes ``device`` sends per call of ``fn``, by collective kernel, read from what TF ran.
 
@@ -61,24 +92,16 @@ def executed_collective_bytes(fn: Callable[[], object], device: str = "CPU:0") -
     instantiation.  The wire bytes per collective use the ring formulas above.
     """
     import tensorflow as tf
-    from tensorflow.python.eager import context
 
-    context.enable_run_metadata()
-    try:
-        fn()
-        metadata = context.export_run_metadata()
-    finally:
-        context.disable_run_metadata()
     sent: dict[str, float] = {}
-    for function in metadata.function_graphs:
-        for graph in function.partition_graphs:
-            nodes = {n.name: n for n in graph.node}
-            for node in graph.node:
-                if node.op not in _WIRE or not node.device.endswith(device):
-                    continue
-                shape = [d.size for d in node.attr["_output_shapes"].list.shape[0].dim]
-                itemsize = tf.dtypes.as_dtype(node.attr["T"].type).size
-                group = tf.make_ndarray(nodes[node.input[1].split(":")[0]].attr["value"].tensor)
-                out = float(np.prod(shape)) * itemsize
-                sent[node.op] = sent.get(node.op, 0.0) + _WIRE[node.op](out, int(group))
+    for graph in _partition_graphs(fn):
+        nodes = {n.name: n for n in graph.node}
+        for node in graph.node:
+            if node.op not in _WIRE or not node.device.endswith(device):
+                continue
+            shape = [d.size for d in node.attr["_output_shapes"].list.shape[0].dim]
+            itemsize = tf.dtypes.as_dtype(node.attr["T"].type).size
+            group = tf.make_ndarray(nodes[node.input[1].split(":")[0]].attr["value"].tensor)
+            out = float(np.prod(shape)) * itemsize
+            sent[node.op] = sent.get(node.op, 0.0) + _WIRE[node.op](out, int(group))
     return sent

@@ -60,6 +60,7 @@ _DL = "keras.src.backend.tensorflow.distribution_lib"
 _CORE = "keras.src.backend.tensorflow.core"
 _OPT = "keras.src.backend.tensorflow.optimizer"
 _FILL = "fills Keras' empty TF distribution_lib, which keras.distribution calls"
+_HOST_MASK = "an eager mask built on the host goes onto the query's mesh (eager DTensor refuses host tensors)"
 _READ = "reads after writes in one traced step see the written value (TF DTensor stale read on 2-D meshes)"
 
 PATCHES: tuple[Patch, ...] = (
@@ -99,6 +100,18 @@ PATCHES: tuple[Patch, ...] = (
           ("self", "tensor_inputs", "captured_inputs"), "process",
           "plain eager tensors passed to a tf.function on DTensors are replicated onto their mesh "
           "(torch's Replicate annotation; TF DTensor refuses them)", "tensorflow 2.21"),
+    Patch("tensorflow.python.eager.backprop", "GradientTape", "gradient",
+          ("self", "target", "sources", "output_gradients", "unconnected_gradients"), "process",
+          "an eager tape seeds a DTensor target's gradient with a DTensor (TF's host seed fails in eager DTensor)",
+          "tensorflow 2.21"),
+    Patch("keras.src.layers.attention.multi_head_attention", "MultiHeadAttention", "_compute_causal_mask",
+          ("self", "query", "value"), "process", _HOST_MASK),
+    Patch("keras.src.layers.attention.multi_head_attention", "MultiHeadAttention", "_compute_sliding_window_mask",
+          ("self", "query", "value"), "process", _HOST_MASK),
+    Patch("keras.src.backend.tensorflow.nn", None, "_apply_masks", ("logits", "mask", "is_causal"), "process",
+          _HOST_MASK),
+    Patch("keras.src.losses.loss", "Loss", "__call__", ("self", "y_true", "y_pred", "sample_weight"), "process",
+          "eager labels/sample weights beside DTensor predictions go onto their mesh (torch's Replicate annotation)"),
     Patch("keras.src.backend.tensorflow.nn", None, "sparse_categorical_crossentropy",
           ("target", "output", "from_logits", "axis"), "with",
           "loss_parallel: cross-entropy on class-sharded logits without a gather"),

@@ -16,7 +16,7 @@ import tensorflow as tf
 import tfdist
 from keras_helpers import make_mlp, max_weight_diff, no_global_distribution  # noqa: F401
 from tfdist.keras._data import gather_to_numpy
-from tfdist.keras._function_inputs import lift_plain_inputs
+from tfdist.keras._host_tensors import lift_plain_inputs
 from tfdist.tensor import Shard
 from tfdist.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 

@@ -186,3 +186,22 @@ def test_tf_repro_still_fails_and_the_workaround_holds():
     lines = [ln for ln in done.stdout.splitlines() if "relayout to Shard(1)" in ln]
     assert lines[1].endswith("OK"), done.stdout + done.stderr
     assert done.returncode in (0, 1), done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_gpt_eager_call_and_eager_tape_equal_one_device(sequence_parallel):
+    """A notebook's first cells: model(ids) and an eager GradientTape, no tf.function.
+
+    Keras builds the causal mask on the host and TF seeds an eager tape with a
+    host 1; eager TF DTensor refuses both next to DTensors (tfdist places them)."""
+    keras.distribution.set_distribution(None)
+    ref = make_gpt()
+    r_logits, r_loss, r_grads = gpt_loss_and_grads(ref, tf.constant(IDS), tf.constant(NEXT))
+    mesh = tfdist.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+    model = parallelize_gpt(make_gpt(), mesh, sequence_parallel=sequence_parallel)
+    np.testing.assert_allclose(gather_to_numpy(model(IDS)), r_logits.numpy(), atol=1e-9)
+    logits, loss, grads = gpt_loss_and_grads(model, tf.constant(IDS), tf.constant(NEXT))
+    np.testing.assert_allclose(gather_to_numpy(loss), r_loss.numpy(), atol=1e-9)
+    for v, a, b in zip(ref.trainable_variables, r_grads, grads):
+        np.testing.assert_allclose(gather_to_numpy(tf.convert_to_tensor(b)), tf.convert_to_tensor(a).numpy(),
+                                   atol=1e-9, err_msg=v.path)

@@ -31,14 +31,14 @@ if keras.backend.backend() != "tensorflow":
     )
 _patches.check_versions()
 
-from tfdist.keras import _backend, _function_inputs, _optimizer, _trainer, _variables  # noqa: E402
+from tfdist.keras import _backend, _host_tensors, _optimizer, _trainer, _variables  # noqa: E402
 
 # Every change to Keras internals is a row of tfdist._patches.PATCHES.
 _backend.install()
 _variables.install()
 _optimizer.install()
 _trainer.install()
-_function_inputs.install()
+_host_tensors.install()
 
 from tfdist.keras import _modules  # noqa: E402,F401  (registers the Keras ModuleBackend)
 from tfdist.keras._layout_map import LayoutMap  # noqa: E402

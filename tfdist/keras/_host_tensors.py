@@ -1,0 +1,172 @@
+"""Host (layout-less) tensors meeting DTensors: function arguments and eager gradients.
+
+Eager TF DTensor refuses an op that mixes a DTensor with a host tensor
+larger than a scalar.  Two places where users hand TensorFlow host tensors
+without meaning to are handled here.
+
+1. Plain tensors passed to a ``tf.function`` that works on DTensors.
+
+torch annotates a plain input of a parallelized module with the style's
+``input_layouts`` (``Replicate()`` by default): every rank holds the whole
+input.  In TensorFlow the same call -- a custom training loop, ``@tf.function``
+with ``GradientTape``, calling a tensor-parallel model on a ``tf.Tensor`` --
+fails before any of tfdist's code runs: the DTensor device refuses a
+function whose captured variables are DTensors and whose arguments are not
+("got a regular tensor for input 0 ... but was expecting a DTensor";
+``dtensor_device.cc`` only broadcasts scalars and small integer tensors).
+
+So at the call of a traced function (``ConcreteFunction._call_flat``),
+eager plain tensor arguments are copied onto the mesh of the function's
+DTensor inputs as replicated DTensors -- torch's annotation.  Inside, the
+styles relayout them (a local slice to the batch shard), exactly as for an
+eager call.  Functions with no DTensor input, or with DTensors of several
+meshes, are left to TensorFlow.
+
+2. The first gradient of an eager ``GradientTape.gradient``.  TF seeds it
+with a host ``1`` and the gradient of ``reduce_sum`` tiles that seed on the
+host (``math_grad._SumGrad``), so the next gradient op meets a host
+``[batch, ...]`` tensor and a DTensor and fails -- any eager training step
+on a distributed model.  tfdist seeds a DTensor target with
+``ones_like(target)``, a DTensor of the target's layout (what
+``output_gradients`` would be by hand).
+
+3. Masks Keras builds on the host while a layer runs: MultiHeadAttention's
+causal and sliding-window masks (``ops.ones`` + ``cumsum``), and the causal
+mask of the TF backend's ``dot_product_attention`` (``band_part`` of ones).
+
+4. Labels and sample weights given to a Keras loss next to DTensor
+predictions, eagerly: replicated onto the predictions' mesh (torch's
+``Replicate`` annotation of a plain tensor).  In eager
+mode, next to DTensor activations, they are copied onto the query's mesh,
+replicated, so a notebook's first ``model(x)`` works as in torch (in a
+traced function they are graph constants, which DTensor replicates itself).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+from tensorflow.python.eager import context
+
+from tfdist import _patches
+
+_NAME = "tensorflow.python.eager.polymorphic_function.concrete_function:ConcreteFunction._call_flat"
+_GRADIENT = "tensorflow.python.eager.backprop:GradientTape.gradient"
+_MHA = "keras.src.layers.attention.multi_head_attention:MultiHeadAttention."
+_MASKS = ("_compute_causal_mask", "_compute_sliding_window_mask")
+_APPLY_MASKS = "keras.src.backend.tensorflow.nn:_apply_masks"
+_LOSS_CALL = "keras.src.losses.loss:Loss.__call__"
+_NOT_DATA = (tf.resource, tf.variant)
+
+
+def _is_plain(t: Any) -> bool:
+    """An eager data tensor with no layout that TF would not broadcast by itself."""
+    return (
+        isinstance(t, tf.Tensor) and hasattr(t, "numpy") and t.dtype not in _NOT_DATA
+        and t.shape.rank and not dtensor.is_dtensor(t)
+    )
+
+
+def _mesh_of(tensors: Sequence[Any]) -> dtensor.Mesh | None:
+    """The one mesh of the DTensors among ``tensors`` (None: none, or several)."""
+    meshes = {dtensor.fetch_layout(t).mesh for t in tensors if isinstance(t, tf.Tensor) and dtensor.is_dtensor(t)}
+    return meshes.pop() if len(meshes) == 1 else None
+
+
+def lift_plain_inputs(tensor_inputs: Sequence[Any], captured_inputs: Sequence[Any]) -> list[Any]:
+    """``tensor_inputs`` with plain eager tensors replicated onto the DTensors' mesh."""
+    plain = [i for i, t in enumerate(tensor_inputs) if _is_plain(t)]
+    if not plain:
+        return list(tensor_inputs)
+    mesh = _mesh_of(list(tensor_inputs) + list(captured_inputs))
+    if mesh is None:
+        return list(tensor_inputs)
+    out = list(tensor_inputs)
+    for i in plain:
+        out[i] = dtensor.copy_to_mesh(out[i], dtensor.Layout.replicated(mesh, out[i].shape.rank))
+    return out
+
+
+def dtensor_seeds(target: Any) -> list[Any] | None:
+    """``output_gradients`` for an eager tape: ones like each DTensor target (None if none is)."""
+    flat = tf.nest.flatten(target)
+    if not any(isinstance(t, tf.Tensor) and dtensor.is_dtensor(t) for t in flat):
+        return None
+    return [tf.ones_like(t) if isinstance(t, tf.Tensor) and dtensor.is_dtensor(t) else None for t in flat]
+
+
+def beside(mask: Any, like: Any) -> Any:
+    """An eager host ``mask`` copied, replicated, onto the mesh of DTensor ``like``."""
+    if tf.executing_eagerly() and isinstance(like, tf.Tensor) and dtensor.is_dtensor(like) \
+            and isinstance(mask, tf.Tensor) and not dtensor.is_dtensor(mask):
+        mesh = dtensor.fetch_layout(like).mesh
+        return dtensor.copy_to_mesh(mask, dtensor.Layout.replicated(mesh, mask.shape.rank))
+    return mask
+
+
+def _install_masks() -> None:
+    for name in _MASKS:
+        original = _patches.original(_MHA + name)
+
+        def compute_mask(self, query, value=None, _original=original):
+            return beside(_original(self, query, value), query)
+
+        compute_mask.__name__ = name
+        _patches.install(_MHA + name, compute_mask)
+
+
+def _install_backend_causal_mask() -> None:
+    original = _patches.original(_APPLY_MASKS)
+
+    def apply_masks(logits, mask, is_causal):
+        if is_causal and tf.executing_eagerly() and dtensor.is_dtensor(logits):
+            rows, cols = logits.shape[2], logits.shape[3]
+            causal = beside(tf.reshape(tf.linalg.band_part(tf.ones((rows, cols), tf.bool), -1, 0),
+                                       (1, 1, rows, cols)), logits)
+            mask = causal if mask is None else tf.logical_and(beside(mask, logits), causal)
+            return original(logits, mask, False)
+        return original(logits, mask, is_causal)
+
+    _patches.install(_APPLY_MASKS, apply_masks)
+
+
+def _as_tensor(value: Any) -> Any:
+    """Arrays become tensors; other values (None, nested structures) stay as they are."""
+    return tf.convert_to_tensor(value) if isinstance(value, np.ndarray) else value
+
+
+def _install_loss_inputs() -> None:
+    original = _patches.original(_LOSS_CALL)
+
+    def call(self, y_true, y_pred, sample_weight=None):
+        if tf.executing_eagerly() and isinstance(y_pred, tf.Tensor) and dtensor.is_dtensor(y_pred):
+            y_true = beside(_as_tensor(y_true), y_pred)
+            sample_weight = beside(_as_tensor(sample_weight), y_pred)
+        return original(self, y_true, y_pred, sample_weight)
+
+    _patches.install(_LOSS_CALL, call)
+
+
+def install() -> None:
+    _install_masks()
+    _install_loss_inputs()
+    _install_backend_causal_mask()
+    original_gradient = _patches.original(_GRADIENT)
+
+    def gradient(self, target, sources, output_gradients=None, unconnected_gradients=tf.UnconnectedGradients.NONE):
+        if output_gradients is None and context.executing_eagerly():
+            output_gradients = dtensor_seeds(target)
+        return original_gradient(self, target, sources, output_gradients, unconnected_gradients)
+
+    _patches.install(_GRADIENT, gradient)
+    original = _patches.original(_NAME)
+
+    def call_flat(self, tensor_inputs, captured_inputs):
+        if context.executing_eagerly():
+            tensor_inputs = lift_plain_inputs(tensor_inputs, captured_inputs)
+        return original(self, tensor_inputs, captured_inputs)
+
+    _patches.install(_NAME, call_flat)
