@@ -105,7 +105,22 @@ def partial_lookup(ctx, ids: tf.Tensor, table: tf.Tensor) -> tf.Tensor:
     local = tf.expand_dims(ids, 0) - offsets
     mine = dtensor.relayout(tf.logical_and(local >= 0, local < rows), ids_layout)
     local = dtensor.relayout(tf.where(mine, local, tf.zeros_like(local)), ids_layout)
-    rows_out = tf.gather(local_table, local, axis=1, batch_dims=1)
+    lead = "abcefghijklmnopqsuvwxyz"[:rank]
+    table_layout = dtensor.fetch_layout(local_table) if tf.executing_eagerly() else None
+
+    @tf.custom_gradient
+    def lookup(local_table):
+        def grad(dy):
+            # TF's gradient of a batched gather scatters into the whole [V, D] table and
+            # all-reduces it; each device's rows are instead a product with its own one-hot
+            # block (transient, backward only), summed over the batch.
+            one_hot = dtensor.relayout(tf.one_hot(local, rows, dtype=dy.dtype), _stacked_layout(ctx, rank + 1))
+            dtable = tf.einsum(f"t{lead}r,t{lead}d->trd", one_hot, dy)
+            return dtable if table_layout is None else dtensor.relayout(dtable, table_layout)
+
+        return tf.gather(local_table, local, axis=1, batch_dims=1), grad
+
+    rows_out = lookup(local_table)
     y = rows_out * tf.cast(tf.expand_dims(mine, -1), rows_out.dtype)
     return dtensor.relayout(y, _stacked_layout(ctx, rank + 1))
 
@@ -116,7 +131,7 @@ def resolve_partial(ctx, stacked: tf.Tensor, placements: Sequence[Placement]) ->
     target = physical_layout(ctx.root, ctx.root_placements(placements, rank), rank)
     shard = next((p for p in placements if isinstance(p, Shard)), None)
     if shard is None:
-        return dtensor.relayout(tf.reduce_sum(stacked, axis=0), target)
+        return _all_reduce(stacked, target, _stacked_layout(ctx, rank))
     d = shard.dim % rank
     size, parts = stacked.shape[d + 1], ctx.root.shape[_tp_dim(ctx)]
     if size is not None and size % parts:
@@ -128,6 +143,23 @@ def resolve_partial(ctx, stacked: tf.Tensor, placements: Sequence[Placement]) ->
     specs = list(_stacked_layout(ctx, rank).sharding_specs)
     moved, _ = _move_mesh_dim(stacked, specs, 0, d + 1, ctx.root.to_tf())
     return dtensor.relayout(tf.reduce_sum(moved, axis=0), target)
+
+
+def _all_reduce(stacked: tf.Tensor, target: dtensor.Layout, stacked_layout: dtensor.Layout) -> tf.Tensor:
+    """Sum of the stacked Partial axis (TF: one all-reduce).  Its gradient broadcasts the
+    replicated gradient straight into the stacked layout: each device keeps its own slice
+    (TF's own gradient tiles it to the whole stack on every device first)."""
+
+    @tf.custom_gradient
+    def reduce(stacked):
+        def grad(dy):
+            parts = tf.shape(stacked)[0]
+            tiled = tf.broadcast_to(tf.expand_dims(dy, 0), tf.concat([[parts], tf.shape(dy)], 0))
+            return dtensor.relayout(tiled, stacked_layout)
+
+        return dtensor.relayout(tf.reduce_sum(stacked, axis=0), target), grad
+
+    return reduce(stacked)
 
 
 def gathered_product(
