@@ -110,6 +110,8 @@ PATCHES: tuple[Patch, ...] = (
           ("self", "query", "value"), "process", _HOST_MASK),
     Patch("keras.src.backend.tensorflow.nn", None, "_apply_masks", ("logits", "mask", "is_causal"), "process",
           _HOST_MASK),
+    Patch("keras.src.backend.tensorflow.random", None, "dropout", ("inputs", "rate", "noise_shape", "seed"),
+          "process", "dropout masks are a hash of (seed, global index): the same on every mesh"),
     Patch("keras.src.losses.loss", "Loss", "__call__", ("self", "y_true", "y_pred", "sample_weight"), "process",
           "eager labels/sample weights beside DTensor predictions go onto their mesh (torch's Replicate annotation)"),
     Patch("keras.src.backend.tensorflow.nn", None, "sparse_categorical_crossentropy",

@@ -25,7 +25,7 @@ from tensorflow.experimental import dtensor
 from tfdist.tensor._layout import DTensorSpec, physical_layout
 from tfdist.tensor.placement_types import Replicate, Shard
 
-__all__ = ["uniform_bits", "uniform", "normal", "truncated_normal"]
+__all__ = ["uniform_bits", "uniform", "normal", "truncated_normal", "dropout"]
 
 _U32 = tf.uint32
 
@@ -104,3 +104,81 @@ def truncated_normal(spec: DTensorSpec, seed: tuple[int, int], dtype: tf.DType, 
     lo = 0.5 * math.erfc(2.0 / math.sqrt(2.0))  # Phi(-2)
     z = _ndtri(lo + u * (1.0 - 2.0 * lo), dtype)
     return z * stddev + mean
+
+
+def _flat_index(shape: tf.Tensor, mesh: dtensor.Mesh | None) -> tf.Tensor:
+    """uint32 flat row-major index of every element of a tensor of (dynamic) ``shape``.
+
+    One ``range`` per dim, pinned replicated on ``mesh`` (DTensor cannot
+    expand a sharded Range), broadcast-added: layout propagation gives the
+    sum the layout of the tensor it meets, so each device slices the tiny
+    ranges and computes only its own shard's indices (checked: no
+    collective, shard-sized intermediates).
+    """
+    rank = len(shape) if isinstance(shape, tuple) else shape.shape[0]
+    index, stride = None, tf.constant(1, _U32)
+    for d in reversed(range(rank)):
+        iota = tf.range(shape[d])
+        if mesh is not None:
+            iota = dtensor.relayout(iota, dtensor.Layout.replicated(mesh, 1))
+        term = tf.reshape(tf.cast(iota, _U32) * stride, [-1 if i == d else 1 for i in range(rank)])
+        index = term if index is None else index + term
+        stride = stride * tf.cast(shape[d], _U32)
+    return tf.zeros([], _U32) if index is None else index
+
+
+def _dropout_fn(mesh: dtensor.Mesh | None):
+    @tf.function(autograph=False)
+    def drop(x: tf.Tensor, rate: float, noise_shape: tf.Tensor, seed: tf.Tensor) -> tf.Tensor:
+        seed = tf.cast(seed, _U32)
+        k0 = seed[0] * _c(0x9E3779B9) + _c(0x85EBCA6B)
+        k1 = seed[1] * _c(0xC2B2AE35) + _c(0x27D4EB2F)
+        bits = _lowbias32(tf.bitwise.bitwise_xor(_lowbias32(_flat_index(noise_shape, mesh) + k0), k1))
+        keep = bits >= _c(min(int(rate * 2.0**32), 0xFFFFFFFF))
+        return tf.where(keep, x / tf.cast(1.0 - rate, x.dtype), tf.zeros_like(x))
+
+    return drop
+
+
+_DROPOUT_FNS: dict = {}
+
+
+def _static_shape(shape) -> tuple[int, ...] | None:
+    """``shape`` as Python ints (DTensor slices only static ranges), or None if a dim is dynamic."""
+    dims = []
+    for d in (shape.as_list() if isinstance(shape, tf.TensorShape) else list(shape)):
+        value = d if isinstance(d, int) or d is None else tf.get_static_value(d)
+        if value is None:
+            return None
+        dims.append(int(value))
+    return tuple(dims)
+
+
+def dropout(
+    x: tf.Tensor, rate: float, noise_shape=None, seed: tf.Tensor | None = None, mesh: dtensor.Mesh | None = None,
+) -> tf.Tensor:
+    """Inverted dropout whose mask is a pure function of (seed, global element index).
+
+    The same seed drops the same elements of the global tensor whatever the
+    mesh and layout -- one device, 8, a 2x4 mesh -- unlike TF DTensor's own
+    random ops (per-device streams).  ``seed`` is an integer tensor of two
+    values (Keras' ``draw_seed``); ``noise_shape`` broadcasts the mask as in
+    ``tf.nn.dropout``.  ``mesh``: the TF mesh ``x`` lives on (read from an
+    eager DTensor; needed inside a traced function).  Runs as a traced
+    function so that eager DTensor inputs work.
+
+    Example::
+
+        y = dropout(x, 0.1, seed=tf.constant([3, 7]))
+    """
+    if seed is None:
+        raise ValueError("dropout needs seed: an integer tensor of two values (e.g. keras' draw_seed)")
+    if mesh is None and tf.executing_eagerly() and dtensor.is_dtensor(x):
+        mesh = dtensor.fetch_layout(x).mesh
+    noise = _static_shape(x.shape if noise_shape is None else noise_shape)
+    if noise is None:  # a dim known only at run time
+        noise = tf.shape(x, out_type=tf.int32) if noise_shape is None else tf.cast(noise_shape, tf.int32)
+    fn = _DROPOUT_FNS.get(mesh)
+    if fn is None:
+        fn = _DROPOUT_FNS[mesh] = _dropout_fn(mesh)
+    return fn(x, float(rate), noise, seed)

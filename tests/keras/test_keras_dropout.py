@@ -1,0 +1,85 @@
+"""Dropout on any mesh draws the same mask as on one device (same seed).
+
+Reference: the one-device model with the same Keras seed; the dropout
+statistics are checked against the rate.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdist
+from keras_helpers import DenseAdam, no_global_distribution  # noqa: F401
+from tfdist.keras._data import gather_to_numpy
+from tfdist.models import GPT, parallelize_gpt
+from tfdist.tensor import Shard, distribute_tensor
+from tfdist.tensor._random import dropout
+
+X = np.random.default_rng(2).standard_normal((8, 16, 32)).astype("float32")
+
+
+@pytest.mark.parametrize("placements", [[Shard(0), Shard(2)], [Shard(1), Shard(0)], [Shard(2), Shard(1)]])
+def test_dropout_mask_is_the_same_for_every_layout(placements):
+    seed = tf.constant([5, 9])
+    want = dropout(tf.constant(X), 0.25, seed=seed).numpy()
+    mesh = tfdist.init_device_mesh("cpu", (2, 4))
+    x = distribute_tensor(tf.constant(X), mesh, placements).to_tf()
+    np.testing.assert_array_equal(gather_to_numpy(dropout(x, 0.25, seed=seed)), want)
+    np.testing.assert_array_equal(gather_to_numpy(tf.function(dropout)(x, 0.25, seed=seed)), want)
+
+
+def test_dropout_keeps_one_minus_rate_and_rescales():
+    y = dropout(tf.ones((256, 256)), 0.3, seed=tf.constant([1, 2])).numpy()
+    kept = y != 0
+    assert abs(kept.mean() - 0.7) < 0.01  # 65536 draws: 5 sigma is 0.009
+    np.testing.assert_allclose(y[kept], 1 / 0.7, rtol=1e-6)
+    other = dropout(tf.ones((256, 256)), 0.3, seed=tf.constant([1, 3])).numpy() != 0
+    assert 0.45 < (kept == other).mean() < 0.65  # another seed: another mask (0.7^2 + 0.3^2 = 0.58)
+
+
+def test_noise_shape_broadcasts_the_mask():
+    y = dropout(tf.ones((4, 8, 16)), 0.5, noise_shape=[4, 1, 16], seed=tf.constant([3, 3])).numpy()
+    assert (y == y[:, :1, :]).all()
+
+
+V, S = 32, 8
+
+
+def test_gpt_with_dropout_trains_like_one_device():
+    """A seeded GPT with dropout 0.1, trained with fit on a 2x4 mesh (SP plan) and on one
+    device: the same losses and weights (float64), because the masks are the same."""
+    floatx, policy = keras.config.floatx(), keras.config.dtype_policy()
+    keras.config.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
+    try:
+        rng = np.random.default_rng(4)
+        ids, nxt = rng.integers(0, V, (48, S)), rng.integers(0, V, (48, S))
+
+        def make(rate=0.1):
+            keras.utils.set_random_seed(0)
+            model = GPT(V, S, dim=16, heads=4, depth=1, dropout=rate)
+            model(ids[:1])
+            return model
+
+        def train(model):
+            model.compile(optimizer=DenseAdam(1e-2),
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            return model.fit(ids, nxt, batch_size=8, epochs=1, shuffle=False, verbose=0).history["loss"]
+
+        ref = make()
+        keras.utils.set_random_seed(1)
+        ref_loss = train(ref)
+        model = parallelize_gpt(make(), tfdist.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp")),
+                                sequence_parallel=True)
+        keras.utils.set_random_seed(1)
+        np.testing.assert_allclose(train(model), ref_loss, rtol=1e-9)
+        for a, b in zip(ref.get_weights(), model.get_weights()):
+            np.testing.assert_allclose(b, a, atol=1e-9)
+        keras.utils.set_random_seed(1)
+        assert abs(train(make(rate=0.0))[0] - ref_loss[0]) > 1e-4  # dropout did act
+    finally:
+        keras.config.set_floatx(floatx)
+        keras.config.set_dtype_policy(policy)
