@@ -5,7 +5,12 @@ Keras (``keras.losses.sparse_categorical_crossentropy``,
 ``SparseCategoricalCrossentropy`` in ``model.fit``, ``ignore_class``
 included) and ``tf.nn.sparse_softmax_cross_entropy_with_logits`` are
 computed as ``logsumexp(logits) - logits[target]`` with the target logit
-picked by a one-hot product.  Every reduction over the class dim is then a
+picked by a one-hot product.  Dense labels (``CategoricalCrossentropy(
+from_logits=True)``, label smoothing included, and
+``tf.nn.softmax_cross_entropy_with_logits``) need nothing: TF DTensor's own
+kernel already reduces a sharded class dim without gathering it (tested).
+Keras' reductions, sample and class weights apply to the per-example values
+as usual.  Every reduction over the class dim is then a
 reduction of a sharded dim, which TF DTensor turns into an all-reduce of a
 ``[batch, seq]`` tensor: the full logits are never gathered.  Values and
 gradients equal the unsharded loss.

@@ -1,0 +1,134 @@
+"""loss_parallel() on class-sharded logits: every Keras cross-entropy configuration.
+
+Reference: the same loss on unsharded float64 logits (Keras itself), values
+and gradients to 1e-9; and the logits are never gathered (no all-gather).
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdist
+from keras_helpers import no_global_distribution  # noqa: F401
+from tfdist.keras._data import gather_to_numpy
+from tfdist.tensor import Replicate, Shard, distribute_tensor
+from tfdist.tensor.debug import CommDebugMode
+from tfdist.tensor.parallel import loss_parallel
+
+RNG = np.random.default_rng(8)
+B, S, C = 4, 6, 16
+LOGITS = RNG.standard_normal((B, S, C)) * 3
+LABELS = RNG.integers(0, C, (B, S))
+LABELS[0, :2] = 3  # the ignored class appears
+ONE_HOT = np.eye(C)[LABELS]
+SOFT = RNG.dirichlet(np.ones(C), (B, S))  # dense labels that are not one-hot
+WEIGHTS = RNG.uniform(0.5, 2.0, (B, S))
+
+SPARSE = [
+    dict(from_logits=True),
+    dict(from_logits=True, ignore_class=3),
+]
+DENSE = [
+    dict(from_logits=True),
+    dict(from_logits=True, label_smoothing=0.1),
+]
+REDUCTIONS = [None, "sum", "sum_over_batch_size", "mean"]
+
+
+@pytest.fixture(autouse=True)
+def float64():
+    """Keras losses compute in floatx: float64 for a 1e-9 comparison."""
+    floatx, policy = keras.config.floatx(), keras.config.dtype_policy()
+    keras.config.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
+    yield
+    keras.config.set_floatx(floatx)
+    keras.config.set_dtype_policy(policy)
+
+
+def sharded_logits():
+    mesh = tfdist.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+    return mesh, distribute_tensor(tf.constant(LOGITS), mesh, [Shard(0), Shard(2)]).to_tf()
+
+
+def value_and_grad(loss_fn, labels, logits, weights):
+    with tf.GradientTape() as tape:
+        tape.watch(logits)
+        value = loss_fn(labels, logits, sample_weight=weights)
+    return value, tape.gradient(value, logits)
+
+
+def check(loss_fn, labels, weights=None):
+    want, want_grad = value_and_grad(loss_fn, tf.constant(labels), tf.constant(LOGITS), weights)
+    mesh, logits = sharded_logits()
+    labels_d = distribute_tensor(tf.constant(labels), mesh, [Shard(0)] + [Replicate()]).to_tf()
+    weights_d = None if weights is None else distribute_tensor(tf.constant(weights), mesh, [Shard(0), Replicate()]).to_tf()
+    step = tf.function(lambda a, b, w: value_and_grad(loss_fn, a, b, w))
+    with loss_parallel():
+        step(labels_d, logits, weights_d)
+        with CommDebugMode() as comm:
+            got, got_grad = step(labels_d, logits, weights_d)
+    np.testing.assert_allclose(gather_to_numpy(got), want.numpy(), atol=1e-9, rtol=1e-9)
+    np.testing.assert_allclose(gather_to_numpy(got_grad), want_grad.numpy(), atol=1e-9, rtol=1e-9)
+    assert "all_gather_into_tensor" not in comm.get_comm_counts(), comm.get_comm_counts()
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS, ids=str)
+@pytest.mark.parametrize("config", SPARSE, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "sample_weight"])
+def test_sparse_categorical_crossentropy(config, reduction, weighted):
+    check(keras.losses.SparseCategoricalCrossentropy(reduction=reduction, **config), LABELS,
+          WEIGHTS if weighted else None)
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS, ids=str)
+@pytest.mark.parametrize("config", DENSE, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+@pytest.mark.parametrize("labels", ["one_hot", "soft"])
+def test_categorical_crossentropy(config, reduction, labels):
+    check(keras.losses.CategoricalCrossentropy(reduction=reduction, **config),
+          ONE_HOT if labels == "one_hot" else SOFT, WEIGHTS)
+
+
+@pytest.mark.parametrize("fn", ["sparse", "dense"])
+def test_tf_nn_counterparts(fn):
+    if fn == "sparse":
+        def loss_fn(labels, logits, sample_weight=None):
+            return tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+        check(loss_fn, LABELS)
+    else:
+        def loss_fn(labels, logits, sample_weight=None):
+            return tf.nn.softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+        check(loss_fn, SOFT)
+
+
+def test_class_weights_in_fit_equal_one_device():
+    """fit(class_weight=...) with loss_parallel on vocabulary-sharded logits."""
+    from keras_helpers import DenseAdam, max_weight_diff
+    from tfdist.models import GPT, parallelize_gpt
+
+    ids, nxt = RNG.integers(0, 32, (32, 8)), RNG.integers(0, 32, (32, 8))
+    class_weight = {c: 1.0 + (c % 3) for c in range(32)}
+
+    def make():
+        keras.utils.set_random_seed(0)
+        model = GPT(32, 8, dim=16, heads=4, depth=1)
+        model(ids[:1])
+        return model
+
+    def train(model):
+        model.compile(optimizer=DenseAdam(1e-2),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model.fit(ids, nxt, batch_size=8, shuffle=False, verbose=0,
+                         class_weight=class_weight).history["loss"]
+
+    ref = make()
+    want = train(ref)
+    mesh = tfdist.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+    model = parallelize_gpt(make(), mesh, loss_parallel=True)
+    with loss_parallel():
+        got = train(model)
+    np.testing.assert_allclose(got, want, rtol=1e-9)
+    assert max_weight_diff(ref, model) < 1e-9
