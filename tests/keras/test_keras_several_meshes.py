@@ -74,3 +74,17 @@ def test_a_global_distribution_on_another_mesh_does_not_move_a_parallelized_mode
     train(model, 1)
     assert layout_of(model.get_layer("up").kernel._value).mesh.shape() == [2, 4]
     assert max_weight_diff(ref, model) < 1e-4
+
+
+def test_models_on_two_meshes_save_and_load_independently(tmp_path):
+    a = compiled(parallelize_module(make_mlp(), mesh_a()["tp"], PLAN))
+    b = compiled(parallelize_module(make_mlp(), mesh_b()["tp"], PLAN))
+    train(a, 1)
+    train(b, 2)
+    a.save_weights(tmp_path / "a.weights.h5")
+    b.save_weights(tmp_path / "b.weights.h5")
+    for model, name in ((a, "a"), (b, "b")):
+        plain = make_mlp()
+        plain.load_weights(tmp_path / f"{name}.weights.h5")
+        assert max_weight_diff(plain, model) == 0.0
+    assert max_weight_diff(a, b) > 1e-3  # two different trainings were saved
