@@ -29,6 +29,26 @@ def no_global_distribution():
     keras.distribution.set_distribution(None)
 
 
+@pytest.fixture
+def float64():
+    """Keras computes in float64 (floatx and dtype policy) for 1e-9 comparisons; restored after."""
+    floatx, policy = keras.config.floatx(), keras.config.dtype_policy()
+    keras.config.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
+    yield
+    keras.config.set_floatx(floatx)
+    keras.config.set_dtype_policy(policy)
+
+
+def logits_loss_grads(model, ids, labels):
+    """Logits, sparse cross-entropy and its gradients for the model's trainable variables."""
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    with tf.GradientTape() as tape:
+        logits = model(ids)
+        loss = loss_fn(labels, logits)
+    return logits, loss, tape.gradient(loss, model.trainable_variables)
+
+
 def max_weight_diff(a: keras.Model, b: keras.Model) -> float:
     return max(float(np.abs(x - y).max()) for x, y in zip(a.get_weights(), b.get_weights()))
 

@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 import tfdist
-from keras_helpers import DenseAdam, no_global_distribution  # noqa: F401
+from keras_helpers import DenseAdam, float64, no_global_distribution  # noqa: F401
 from tfdist.keras._data import gather_to_numpy
 from tfdist.models import GPT, parallelize_gpt
 from tfdist.tensor import Shard, distribute_tensor
@@ -48,38 +48,32 @@ def test_noise_shape_broadcasts_the_mask():
 V, S = 32, 8
 
 
+@pytest.mark.usefixtures("float64")
 def test_gpt_with_dropout_trains_like_one_device():
     """A seeded GPT with dropout 0.1, trained with fit on a 2x4 mesh (SP plan) and on one
     device: the same losses and weights (float64), because the masks are the same."""
-    floatx, policy = keras.config.floatx(), keras.config.dtype_policy()
-    keras.config.set_floatx("float64")
-    keras.config.set_dtype_policy("float64")
-    try:
-        rng = np.random.default_rng(4)
-        ids, nxt = rng.integers(0, V, (48, S)), rng.integers(0, V, (48, S))
+    rng = np.random.default_rng(4)
+    ids, nxt = rng.integers(0, V, (48, S)), rng.integers(0, V, (48, S))
 
-        def make(rate=0.1):
-            keras.utils.set_random_seed(0)
-            model = GPT(V, S, dim=16, heads=4, depth=1, dropout=rate)
-            model(ids[:1])
-            return model
+    def make(rate=0.1):
+        keras.utils.set_random_seed(0)
+        model = GPT(V, S, dim=16, heads=4, depth=1, dropout=rate)
+        model(ids[:1])
+        return model
 
-        def train(model):
-            model.compile(optimizer=DenseAdam(1e-2),
-                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-            return model.fit(ids, nxt, batch_size=8, epochs=1, shuffle=False, verbose=0).history["loss"]
+    def train(model):
+        model.compile(optimizer=DenseAdam(1e-2),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model.fit(ids, nxt, batch_size=8, epochs=1, shuffle=False, verbose=0).history["loss"]
 
-        ref = make()
-        keras.utils.set_random_seed(1)
-        ref_loss = train(ref)
-        model = parallelize_gpt(make(), tfdist.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp")),
-                                sequence_parallel=True)
-        keras.utils.set_random_seed(1)
-        np.testing.assert_allclose(train(model), ref_loss, rtol=1e-9)
-        for a, b in zip(ref.get_weights(), model.get_weights()):
-            np.testing.assert_allclose(b, a, atol=1e-9)
-        keras.utils.set_random_seed(1)
-        assert abs(train(make(rate=0.0))[0] - ref_loss[0]) > 1e-4  # dropout did act
-    finally:
-        keras.config.set_floatx(floatx)
-        keras.config.set_dtype_policy(policy)
+    ref = make()
+    keras.utils.set_random_seed(1)
+    ref_loss = train(ref)
+    model = parallelize_gpt(make(), tfdist.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp")),
+                            sequence_parallel=True)
+    keras.utils.set_random_seed(1)
+    np.testing.assert_allclose(train(model), ref_loss, rtol=1e-9)
+    for a, b in zip(ref.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(b, a, atol=1e-9)
+    keras.utils.set_random_seed(1)
+    assert abs(train(make(rate=0.0))[0] - ref_loss[0]) > 1e-4  # dropout did act

@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 import tfdist
-from keras_helpers import no_global_distribution  # noqa: F401
+from keras_helpers import float64, no_global_distribution  # noqa: F401
 from tfdist.keras._data import gather_to_numpy
 from tfdist.tensor import Replicate, Shard, distribute_tensor
 from tfdist.tensor.debug import CommDebugMode
@@ -38,15 +38,7 @@ DENSE = [
 REDUCTIONS = [None, "sum", "sum_over_batch_size", "mean"]
 
 
-@pytest.fixture(autouse=True)
-def float64():
-    """Keras losses compute in floatx: float64 for a 1e-9 comparison."""
-    floatx, policy = keras.config.floatx(), keras.config.dtype_policy()
-    keras.config.set_floatx("float64")
-    keras.config.set_dtype_policy("float64")
-    yield
-    keras.config.set_floatx(floatx)
-    keras.config.set_dtype_policy(policy)
+pytestmark = pytest.mark.usefixtures("float64")  # Keras losses compute in floatx
 
 
 def sharded_logits():

@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 import tfdist
-from keras_helpers import DenseAdam, no_global_distribution  # noqa: F401
+from keras_helpers import DenseAdam, float64, logits_loss_grads, no_global_distribution  # noqa: F401
 from tfdist.keras._data import gather_to_numpy, shard_batch
 from tfdist.models import GPT, parallelize_gpt
 from tfdist.tensor import Shard
@@ -30,14 +30,7 @@ SP_PLAN = {
 }
 
 
-@pytest.fixture(autouse=True)
-def float64():
-    floatx, policy = keras.config.floatx(), keras.config.dtype_policy()
-    keras.config.set_floatx("float64")
-    keras.config.set_dtype_policy("float64")
-    yield
-    keras.config.set_floatx(floatx)
-    keras.config.set_dtype_policy(policy)
+pytestmark = pytest.mark.usefixtures("float64")
 
 
 class Block(keras.Model):
@@ -136,22 +129,14 @@ def make_gpt(depth=2):
     return model
 
 
-def gpt_loss_and_grads(model, ids, labels):
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    with tf.GradientTape() as tape:
-        logits = model(ids)
-        loss = loss_fn(labels, logits)
-    return logits, loss, tape.gradient(loss, model.trainable_variables)
-
-
 def test_gpt_sp_plan_equals_one_device_in_float64():
     keras.distribution.set_distribution(None)
     ref = make_gpt()
-    r_logits, r_loss, r_grads = gpt_loss_and_grads(ref, tf.constant(IDS), tf.constant(NEXT))
+    r_logits, r_loss, r_grads = logits_loss_grads(ref, tf.constant(IDS), tf.constant(NEXT))
     mesh = tfdist.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
     model = parallelize_gpt(make_gpt(), mesh, sequence_parallel=True)
     ids, labels = (shard_batch(tf.constant(a), mesh, 0) for a in (IDS, NEXT))
-    logits, loss, grads = tf.function(lambda a, b: gpt_loss_and_grads(model, a, b))(ids, labels)
+    logits, loss, grads = tf.function(lambda a, b: logits_loss_grads(model, a, b))(ids, labels)
     np.testing.assert_allclose(gather_to_numpy(logits), r_logits.numpy(), atol=1e-9)
     np.testing.assert_allclose(gather_to_numpy(loss), r_loss.numpy(), atol=1e-9)
     for v, a, b in zip(ref.trainable_variables, r_grads, grads):
@@ -196,11 +181,11 @@ def test_gpt_eager_call_and_eager_tape_equal_one_device(sequence_parallel):
     host 1; eager TF DTensor refuses both next to DTensors (tfdist places them)."""
     keras.distribution.set_distribution(None)
     ref = make_gpt()
-    r_logits, r_loss, r_grads = gpt_loss_and_grads(ref, tf.constant(IDS), tf.constant(NEXT))
+    r_logits, r_loss, r_grads = logits_loss_grads(ref, tf.constant(IDS), tf.constant(NEXT))
     mesh = tfdist.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
     model = parallelize_gpt(make_gpt(), mesh, sequence_parallel=sequence_parallel)
     np.testing.assert_allclose(gather_to_numpy(model(IDS)), r_logits.numpy(), atol=1e-9)
-    logits, loss, grads = gpt_loss_and_grads(model, tf.constant(IDS), tf.constant(NEXT))
+    logits, loss, grads = logits_loss_grads(model, tf.constant(IDS), tf.constant(NEXT))
     np.testing.assert_allclose(gather_to_numpy(loss), r_loss.numpy(), atol=1e-9)
     for v, a, b in zip(ref.trainable_variables, r_grads, grads):
         np.testing.assert_allclose(gather_to_numpy(tf.convert_to_tensor(b)), tf.convert_to_tensor(a).numpy(),

@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import tfdist
-from keras_helpers import DenseAdam, max_weight_diff, no_global_distribution  # noqa: F401
+from keras_helpers import DenseAdam, logits_loss_grads, max_weight_diff, no_global_distribution  # noqa: F401
 from tfdist.keras._data import gather_to_numpy, shard_batch
 from tfdist.models import GPT, MLP, mlp_tp_plan, parallelize_gpt
 from tfdist.tensor import Replicate, Shard
@@ -63,22 +63,14 @@ def test_mlp_tp_20_steps_equal_one_device(shape):
     assert max_weight_diff(ref, model) < 1e-4
 
 
-def _logits_loss_grads(model, ids, labels):
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    with tf.GradientTape() as tape:
-        logits = model(ids)
-        loss = loss_fn(labels, logits)
-    return logits, loss, tape.gradient(loss, model.trainable_variables)
-
-
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
 def test_gpt_outputs_loss_and_gradients_equal_one_device(sequence_parallel):
     ref = make_gpt()
-    r_logits, r_loss, r_grads = _logits_loss_grads(ref, tf.constant(IDS[:8]), tf.constant(NEXT[:8]))
+    r_logits, r_loss, r_grads = logits_loss_grads(ref, tf.constant(IDS[:8]), tf.constant(NEXT[:8]))
     m = mesh((2, 4))
     model = parallelize_gpt(make_gpt(), m, sequence_parallel=sequence_parallel)
     ids, labels = (shard_batch(tf.constant(a[:8]), m, 0) for a in (IDS, NEXT))
-    logits, loss, grads = tf.function(lambda a, b: _logits_loss_grads(model, a, b))(ids, labels)
+    logits, loss, grads = tf.function(lambda a, b: logits_loss_grads(model, a, b))(ids, labels)
     np.testing.assert_allclose(gather_to_numpy(logits), r_logits.numpy(), atol=2e-6)
     np.testing.assert_allclose(gather_to_numpy(loss), r_loss.numpy(), rtol=1e-6)
     for v, a, b in zip(ref.trainable_variables, r_grads, grads):
