@@ -60,6 +60,7 @@ _DL = "keras.src.backend.tensorflow.distribution_lib"
 _CORE = "keras.src.backend.tensorflow.core"
 _OPT = "keras.src.backend.tensorflow.optimizer"
 _FILL = "fills Keras' empty TF distribution_lib, which keras.distribution calls"
+_NOISE = "the noise layers draw a hash of (seed, global index): the same noise on every mesh"
 _HOST_MASK = "an eager mask built on the host goes onto the query's mesh (eager DTensor refuses host tensors)"
 _READ = "reads after writes in one traced step see the written value (TF DTensor stale read on 2-D meshes)"
 
@@ -112,6 +113,16 @@ PATCHES: tuple[Patch, ...] = (
           _HOST_MASK),
     Patch("keras.src.backend.tensorflow.random", None, "dropout", ("inputs", "rate", "noise_shape", "seed"),
           "process", "dropout masks are a hash of (seed, global index): the same on every mesh"),
+    Patch("keras.src.layers.regularization.gaussian_noise", "GaussianNoise", "call", ("self", "inputs", "training"),
+          "process", _NOISE),
+    Patch("keras.src.layers.regularization.gaussian_dropout", "GaussianDropout", "call",
+          ("self", "inputs", "training"), "process", _NOISE),
+    Patch("keras.src.layers.regularization.alpha_dropout", "AlphaDropout", "call", ("self", "inputs", "training"),
+          "process", _NOISE),
+    Patch("keras.src.backend.tensorflow.random", None, "normal", ("shape", "mean", "stddev", "dtype", "seed"),
+          "with", _NOISE),
+    Patch("keras.src.backend.tensorflow.random", None, "uniform", ("shape", "minval", "maxval", "dtype", "seed"),
+          "with", _NOISE),
     Patch("keras.src.losses.loss", "Loss", "__call__", ("self", "y_true", "y_pred", "sample_weight"), "process",
           "eager labels/sample weights beside DTensor predictions go onto their mesh (torch's Replicate annotation)"),
     Patch("keras.src.backend.tensorflow.nn", None, "sparse_categorical_crossentropy",

@@ -77,3 +77,43 @@ def test_gpt_with_dropout_trains_like_one_device():
         np.testing.assert_allclose(b, a, atol=1e-9)
     keras.utils.set_random_seed(1)
     assert abs(train(make(rate=0.0))[0] - ref_loss[0]) > 1e-4  # dropout did act
+
+
+def test_draw_like_statistics():
+    seed = tf.constant([4, 2])
+    z = tfdist.tensor._random.draw_like("normal", (200, 300), seed, tf.float64).numpy()
+    assert abs(z.mean()) < 0.02 and abs(z.std() - 1) < 0.02  # 60000 draws: 5 sigma is 0.02
+    u = tfdist.tensor._random.draw_like("uniform", (200, 300), seed, tf.float64, a=2.0, b=5.0).numpy()
+    assert u.min() >= 2.0 and u.max() < 5.0 and abs(u.mean() - 3.5) < 0.03
+
+
+@pytest.mark.usefixtures("float64")
+def test_noise_layers_train_like_one_device():
+    """GaussianNoise, GaussianDropout and AlphaDropout between tensor-parallel Dense layers:
+    fit on a 2x4 mesh equals one device (same seed, float64)."""
+    from keras_helpers import max_weight_diff
+    from tfdist.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    rng = np.random.default_rng(6)
+    x, y = rng.standard_normal((64, 16)), rng.standard_normal((64, 8))
+
+    def make(noise=True):
+        keras.utils.set_random_seed(0)
+        layers = [keras.Input((16,)), keras.layers.Dense(32, activation="relu", name="up")]
+        if noise:
+            layers += [keras.layers.GaussianNoise(0.3), keras.layers.GaussianDropout(0.2),
+                       keras.layers.AlphaDropout(0.2)]
+        return keras.Sequential(layers + [keras.layers.Dense(8, name="down")])
+
+    def train(model):
+        keras.utils.set_random_seed(1)
+        model.compile(optimizer=DenseAdam(1e-2), loss="mse")
+        return model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history["loss"]
+
+    ref = make()
+    want = train(ref)
+    mesh = tfdist.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+    model = parallelize_module(make(), mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    np.testing.assert_allclose(train(model), want, rtol=1e-9)
+    assert max_weight_diff(ref, model) < 1e-9
+    assert abs(train(make(noise=False))[0] - want[0]) > 1e-3  # the noise did act

@@ -31,7 +31,7 @@ if keras.backend.backend() != "tensorflow":
     )
 _patches.check_versions()
 
-from tfdist.keras import _backend, _dropout, _host_tensors, _optimizer, _trainer, _variables  # noqa: E402
+from tfdist.keras import _backend, _random_layers, _host_tensors, _optimizer, _trainer, _variables  # noqa: E402
 
 # Every change to Keras internals is a row of tfdist._patches.PATCHES.
 _backend.install()
@@ -39,7 +39,7 @@ _variables.install()
 _optimizer.install()
 _trainer.install()
 _host_tensors.install()
-_dropout.install()
+_random_layers.install()
 
 from tfdist.keras import _modules  # noqa: E402,F401  (registers the Keras ModuleBackend)
 from tfdist.keras._layout_map import LayoutMap  # noqa: E402

@@ -25,7 +25,7 @@ from tensorflow.experimental import dtensor
 from tfdist.tensor._layout import DTensorSpec, physical_layout
 from tfdist.tensor.placement_types import Replicate, Shard
 
-__all__ = ["uniform_bits", "uniform", "normal", "truncated_normal", "dropout"]
+__all__ = ["uniform_bits", "uniform", "normal", "truncated_normal", "dropout", "draw_like"]
 
 _U32 = tf.uint32
 
@@ -127,17 +127,48 @@ def _flat_index(shape: tf.Tensor, mesh: dtensor.Mesh | None) -> tf.Tensor:
     return tf.zeros([], _U32) if index is None else index
 
 
+def _seeded_bits(shape, seed: tf.Tensor, mesh: dtensor.Mesh | None) -> tf.Tensor:
+    """uint32 hash of (seed tensor, flat global index) for every element of ``shape``."""
+    seed = tf.cast(seed, _U32)
+    k0 = seed[0] * _c(0x9E3779B9) + _c(0x85EBCA6B)
+    k1 = seed[1] * _c(0xC2B2AE35) + _c(0x27D4EB2F)
+    return _lowbias32(tf.bitwise.bitwise_xor(_lowbias32(_flat_index(shape, mesh) + k0), k1))
+
+
 def _dropout_fn(mesh: dtensor.Mesh | None):
     @tf.function(autograph=False)
     def drop(x: tf.Tensor, rate: float, noise_shape: tf.Tensor, seed: tf.Tensor) -> tf.Tensor:
-        seed = tf.cast(seed, _U32)
-        k0 = seed[0] * _c(0x9E3779B9) + _c(0x85EBCA6B)
-        k1 = seed[1] * _c(0xC2B2AE35) + _c(0x27D4EB2F)
-        bits = _lowbias32(tf.bitwise.bitwise_xor(_lowbias32(_flat_index(noise_shape, mesh) + k0), k1))
-        keep = bits >= _c(min(int(rate * 2.0**32), 0xFFFFFFFF))
+        keep = _seeded_bits(noise_shape, seed, mesh) >= _c(min(int(rate * 2.0**32), 0xFFFFFFFF))
         return tf.where(keep, x / tf.cast(1.0 - rate, x.dtype), tf.zeros_like(x))
 
     return drop
+
+
+def draw_like(
+    kind: str, shape, seed: tf.Tensor, dtype: tf.DType, mesh: dtensor.Mesh | None = None,
+    a: float = 0.0, b: float = 1.0,
+) -> tf.Tensor:
+    """Values for ``shape`` that are a pure function of (seed, global index), inside a traced
+    program: ``kind`` "uniform" in ``[a, b)`` or "normal" with mean ``a``, stddev ``b``.
+
+    Meant to be combined with an activation in the same program (Keras'
+    GaussianNoise, GaussianDropout, AlphaDropout): layout propagation gives
+    the draw the activation's layout, so each device computes its own
+    shard.  Eagerly the result is a replicated DTensor on ``mesh``.
+    """
+    static = _static_shape(shape)
+    shape = static if static is not None else tf.cast(shape, tf.int32)
+
+    def draw(seed):
+        if kind == "uniform":
+            return _unit(_seeded_bits(shape, seed, mesh), dtype, open_low=False) * (b - a) + a
+        return _ndtri(_unit(_seeded_bits(shape, seed, mesh), tf.float64, open_low=True), dtype) * b + a
+
+    if not tf.executing_eagerly():
+        return draw(seed)
+    if mesh is not None and not dtensor.is_dtensor(seed):
+        seed = dtensor.copy_to_mesh(tf.convert_to_tensor(seed), dtensor.Layout.replicated(mesh, 1))
+    return tf.function(draw, autograph=False)(seed)  # host ranges inside a DTensor program
 
 
 _DROPOUT_FNS: dict = {}
