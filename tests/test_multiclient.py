@@ -180,3 +180,46 @@ def _state(pid: str) -> str:
             return next((line for line in f if line.startswith("State:")), "").lower()
     except FileNotFoundError:
         return "zombie"
+
+
+def _documented_script() -> str:
+    """The train.py of docs/multi_client.md, verbatim (its `...` line is a Python no-op)."""
+    text = (HERE.parent.parent / "docs" / "multi_client.md").read_text()
+    block = text.split("```python\n", 1)[1].split("```", 1)[0]
+    assert "tfdist.destroy()" in block
+    return block
+
+
+def test_the_documented_script_ends_cleanly(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(_documented_script())
+    out = launch("--nproc-per-node", "4", "--devices-per-proc", "2", "--master-port", str(free_base_port(4)),
+                 str(script))
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "not supported" not in out.stdout + out.stderr
+
+
+def test_torch_process_group_names(tmp_path):
+    script = tmp_path / "pg.py"
+    script.write_text(
+        "import tfdist\n"
+        "tfdist.init_process_group('gloo', world_size=2)\n"
+        "assert tfdist.is_initialized()\n"
+        "mesh = tfdist.init_device_mesh('cpu', (4,))\n"
+        "print('rank', tfdist.get_rank(), 'of', tfdist.get_world_size(), flush=True)\n"
+        "tfdist.destroy_process_group()\n"
+        "assert not tfdist.is_initialized()\n"
+    )
+    out = launch("--nproc-per-node", "2", "--devices-per-proc", "2", "--master-port", str(free_base_port(2)),
+                 str(script))
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "[rank 0] rank 0 of 2" in out.stdout and "[rank 1] rank 1 of 2" in out.stdout
+
+
+def test_init_process_group_checks_its_arguments():
+    import tfdist
+
+    with pytest.raises(ValueError, match="backend must be one of"):
+        tfdist.init_process_group("mpi")
+    with pytest.raises(ValueError, match="world_size=3 but this process is world_size 1"):
+        tfdist.init_process_group("gloo", world_size=3)

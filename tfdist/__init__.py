@@ -18,9 +18,11 @@ from tfdist import tensor
 from tfdist._runtime import (
     barrier,
     destroy,
+    destroy_process_group,
     get_rank,
     get_world_size,
     init_distributed,
+    init_process_group,
     is_initialized,
     virtual_cpus,
 )
@@ -31,6 +33,8 @@ __all__ = [
     "__version__",
     "virtual_cpus",
     "init_distributed",
+    "init_process_group",
+    "destroy_process_group",
     "is_initialized",
     "barrier",
     "destroy",

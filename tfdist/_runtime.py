@@ -12,9 +12,11 @@ from __future__ import annotations
 import os
 import socket
 import time
+from typing import Any
 
 import tensorflow as tf
 from tensorflow.experimental import dtensor
+from tensorflow.python.eager import context
 
 __all__ = [
     "init_distributed",
@@ -242,13 +244,69 @@ def barrier() -> None:
 
 
 def destroy() -> None:
-    """Leaves the program: shuts the accelerator system down (torch's destroy_process_group)."""
+    """Leaves the program (torch's ``destroy_process_group``).
+
+    Single client on GPU/TPU: shuts the accelerator system down.  Multi-client:
+    waits for every client (a barrier) and for this client's pending work;
+    TF cannot shut a multi-client system down ("Shutting down accelerator
+    system under multi-client mode is not supported", raised by
+    ``dtensor.shutdown_accelerator_system`` whenever ``config.is_local_mode()``
+    is false), so its servers stop when the process exits.  Idempotent.
+    """
     global _initialized_device_type
     if _initialized_device_type is None:
         return
-    if is_multi_client() or _initialized_device_type in ("GPU", "TPU"):
+    if is_multi_client():
+        barrier()
+        context.async_wait()
+    elif _initialized_device_type in ("GPU", "TPU"):
         dtensor.shutdown_accelerator_system()
     _initialized_device_type = None
+
+
+_BACKENDS = {"gloo": "cpu", "nccl": "gpu", "xla": "tpu", None: None}
+
+
+def init_process_group(
+    backend: str | None = None, init_method: str | None = None, timeout: Any = None,
+    world_size: int = -1, rank: int = -1, **kwargs: Any,
+) -> None:
+    """torch's ``init_process_group``: joins the multi-client program (``init_distributed``).
+
+    ``backend`` names the device type (``"gloo"``: CPU, ``"nccl"``: GPU,
+    ``"xla"``: TPU; or ``"cpu"``/``"gpu"``/``"tpu"``); ``timeout`` (seconds
+    or a ``timedelta``) bounds the wait for client 0.  ``world_size`` and
+    ``rank``, when given, must match what ``tfdist run`` set up.
+    ``init_method`` and torch's other arguments describe a rendezvous that
+    ``tfdist run`` already did, and are accepted and ignored.
+
+    Example::
+
+        tfdist.init_process_group("gloo")
+        ...
+        tfdist.destroy_process_group()
+    """
+    del init_method, kwargs
+    name = backend.lower() if isinstance(backend, str) else backend
+    if name not in _BACKENDS and name not in ("cpu", "gpu", "tpu"):
+        raise ValueError(
+            f"init_process_group: backend must be one of 'gloo', 'nccl', 'xla', 'cpu', 'gpu', 'tpu' "
+            f"or None. Received: backend={backend!r}"
+        )
+    for arg, given, actual in (("world_size", world_size, get_world_size()), ("rank", rank, get_rank())):
+        if given not in (-1, None) and given != actual:
+            raise ValueError(
+                f"init_process_group: {arg}={given} but this process is {arg} {actual} of the job "
+                "`tfdist run` started; omit it or pass the launcher's value."
+            )
+    seconds = 300.0 if timeout is None else float(getattr(timeout, "total_seconds", lambda: timeout)())
+    init_distributed(_BACKENDS.get(name, name), timeout=seconds)
+
+
+def destroy_process_group(group: Any = None) -> None:
+    """torch's ``destroy_process_group``: :func:`destroy` (tfdist has one group, the job)."""
+    del group
+    destroy()
 
 
 def local_devices(device_type: str) -> list[str]:
