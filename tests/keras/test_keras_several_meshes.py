@@ -88,3 +88,16 @@ def test_models_on_two_meshes_save_and_load_independently(tmp_path):
         plain.load_weights(tmp_path / f"{name}.weights.h5")
         assert max_weight_diff(plain, model) == 0.0
     assert max_weight_diff(a, b) > 1e-3  # two different trainings were saved
+
+
+def test_compile_before_parallelize_works_and_training_before_is_refused():
+    ref = compiled(make_mlp())
+    train(ref, 1)
+    model = compiled(make_mlp())  # compiled first: its loss tracker moves onto the mesh too
+    parallelize_module(model, mesh_a()["tp"], PLAN)
+    train(model, 1)
+    assert max_weight_diff(ref, model) < 1e-4
+    trained = compiled(make_mlp())
+    train(trained, 1)
+    with pytest.raises(ValueError, match="has trained already.*parallelize_module before the first fit"):
+        parallelize_module(trained, mesh_a()["tp"], PLAN)

@@ -5,7 +5,10 @@ first dim over the batch (data-parallel) mesh dim and placed with
 ``dtensor.pack``: every device receives only its own slice, with no
 collective and no gather.  Scalars and tensors without a batch dim are
 replicated.  A batch whose size is not divisible by the data-parallel size
-is a clear error (tfdist does not pad batches, which would change the loss).
+(an epoch's last partial batch, ``predict`` on a few samples) is replicated
+instead: every data-parallel replica computes it whole, so its loss,
+metrics and gradients are exactly one device's (padding would change
+Keras' ``sum_over_batch_size`` mean).  Only that batch pays the redundancy.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from tensorflow.experimental import dtensor
 from tfdist.device_mesh import DeviceMesh
 from tfdist.tensor._redistribute import relayout
 
-__all__ = ["shard_batch", "gather_to_numpy"]
+__all__ = ["shard_batch", "splits_evenly", "gather_to_numpy"]
 
 
 def _pack(t: tf.Tensor, mesh: DeviceMesh, batch_axis: int | None) -> tf.Tensor:
@@ -29,17 +32,24 @@ def _pack(t: tf.Tensor, mesh: DeviceMesh, batch_axis: int | None) -> tf.Tensor:
         return dtensor.copy_to_mesh(t, dtensor.Layout.replicated(tf_mesh, rank))
     k = mesh.shape[batch_axis]
     n = t.shape[0]
-    if n % k:
-        raise ValueError(
-            f"a batch of {n} samples cannot be split over the {k} devices of the "
-            f"data-parallel mesh dim {mesh.axis_names[batch_axis]!r}. Use a batch_size "
-            f"divisible by {k} and drop the remainder (tf.data: .batch(..., "
-            f"drop_remainder=True); arrays: use a multiple of the batch size)."
-        )
+    if n % k:  # a partial batch: every data-parallel replica takes it whole (see splits_evenly)
+        return dtensor.copy_to_mesh(t, dtensor.Layout.replicated(tf_mesh, rank))
     c = n // k
     blocks = [t[c * coord[batch_axis]: c * (coord[batch_axis] + 1)] for coord in mesh.local_coordinates()]
     layout = dtensor.Layout([mesh.axis_names[batch_axis]] + [dtensor.UNSHARDED] * (rank - 1), tf_mesh)
     return dtensor.pack(blocks, layout)
+
+
+def splits_evenly(data: Any, mesh: DeviceMesh, batch_axis: int | None) -> bool:
+    """Whether every batched leaf of ``data`` splits evenly over the data-parallel mesh dim."""
+    if batch_axis is None:
+        return True
+    k = mesh.shape[batch_axis]
+    for x in tf.nest.flatten(data):
+        shape = getattr(x, "shape", ())
+        if len(shape) and shape[0] is not None and shape[0] % k:
+            return False
+    return True
 
 
 def shard_batch(data: Any, mesh: DeviceMesh, batch_axis: int | None) -> Any:

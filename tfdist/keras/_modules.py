@@ -24,6 +24,7 @@ from tfdist.keras import _variables
 from tfdist.keras._backend import tfdist_mesh
 from tfdist.keras._distribution import MeshDistribution
 from tfdist.tensor._modules import LayerKind, Pending, register_module_backend
+from tfdist.tensor.parallel.style import replicated_batch
 
 __all__ = ["KerasModules"]
 
@@ -81,6 +82,8 @@ def _own_distribution(module: Any, distribution: Any) -> None:
         method = getattr(module, name, None)
         if method is None or getattr(method, "_tfdist_scoped", False):
             continue
+        if name == "call":
+            method = _partial_batches_replicated(module, method)
 
         def scoped(*args, _method=method, **kwargs):
             if keras.distribution.distribution() is module._tfdist_distribution:
@@ -91,6 +94,26 @@ def _own_distribution(module: Any, distribution: Any) -> None:
         scoped = functools.wraps(method)(scoped)
         scoped._tfdist_scoped = True
         setattr(module, name, scoped)  # this instance only
+
+
+def _partial_batches_replicated(module: Any, call: Callable[..., Any]) -> Callable[..., Any]:
+    """A call on a batch that does not split over the data-parallel dim runs it replicated
+    (``model(x[:1])`` on a 2-way data-parallel mesh; fit/predict do the same)."""
+
+    @functools.wraps(call)
+    def checked(*args, **kwargs):
+        name = getattr(module, "_tfdist_batch_dim", None)
+        batch = tf.nest.flatten(args[:1])
+        if name is None or not batch:
+            return call(*args, **kwargs)
+        mesh = tfdist_mesh(module._tfdist_distribution.device_mesh)
+        size = getattr(batch[0], "shape", (None,))
+        if len(size) and size[0] is not None and size[0] % mesh.size(name):
+            with replicated_batch():
+                return call(*args, **kwargs)
+        return call(*args, **kwargs)
+
+    return checked
 
 
 class KerasModules:
@@ -140,7 +163,13 @@ class KerasModules:
         return {v.name: v for v in layer._trainable_variables + layer._non_trainable_variables}
 
     def variables(self, module: Any) -> list[Any]:
-        return list(getattr(module, "variables", []))
+        """The module's variables and, when compiled, its metrics' (the loss tracker)."""
+        out, seen = [], set()
+        for v in list(getattr(module, "variables", [])) + list(getattr(module, "metrics_variables", [])):
+            if id(v) not in seen:
+                seen.add(id(v))
+                out.append(v)
+        return out
 
     def set_weight_layout(self, layer: Any, name: str, layout_fn: Callable[[int], dtensor.Layout]) -> None:
         if layer.built:
@@ -204,6 +233,14 @@ class KerasModules:
 
     def attach_mesh(self, module: Any, mesh: DeviceMesh, batch_axis: int | None) -> None:
         """Gives ``module`` its own distribution on ``mesh`` (see ``_own_distribution``)."""
+        optimizer = getattr(module, "optimizer", None)
+        first = getattr(module, "_tfdist_distribution", None) is None
+        if first and optimizer is not None and getattr(optimizer, "built", False):
+            raise ValueError(
+                f"{module.name!r} has trained already: its optimizer state was made for the unsharded "
+                "weights. Call parallelize_module before the first fit/train step, or compile again "
+                "with a new optimizer first (model.compile(optimizer=keras.optimizers.Adam(...), ...))."
+            )
         root = mesh.root_mesh
         own = getattr(module, "_tfdist_distribution", None)
         if own is not None and tfdist_mesh(own.device_mesh).to_tf() != root.to_tf():

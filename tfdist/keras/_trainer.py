@@ -22,6 +22,7 @@ from tfdist import _patches
 from tfdist.device_mesh import DeviceMesh
 from tfdist.keras import _data, _variables
 from tfdist.keras._backend import tfdist_mesh
+from tfdist.tensor.parallel.style import replicated_batch
 
 __all__ = ["install", "mesh_of", "check_layout_map"]
 
@@ -87,6 +88,26 @@ def _distributed(model) -> bool:
     return distribution_of(model) is not None
 
 
+def _by_batch_split(step_function, run_eagerly: bool, mesh, batch_axis):
+    """``step_function`` on sharded batches; a batch that does not split evenly over the
+    data-parallel dim runs replicated (``replicated_batch``) in its own traced function.
+
+    The even steps may relax their batch dim (``reduce_retracing``); the partial
+    ones keep a static size, so a partial batch never meets a program traced for
+    sharded batches.
+    """
+    even = step_function if run_eagerly else tf.function(step_function, reduce_retracing=True)
+    partial = step_function if run_eagerly else tf.function(step_function)
+
+    def step(data):
+        if _data.splits_evenly(data, mesh, batch_axis):
+            return even(_data.shard_batch(data, mesh, batch_axis))
+        with replicated_batch():
+            return partial(_data.shard_batch(data, mesh, batch_axis))
+
+    return step
+
+
 def install() -> None:
     from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
@@ -101,12 +122,12 @@ def install() -> None:
             return original_make(self, step_function)
         check_layout_map(self)
         mesh, batch_axis = mesh_of(self)
-        one_step = step_function if self.run_eagerly else tf.function(step_function, reduce_retracing=True)
+        one_step = _by_batch_split(step_function, self.run_eagerly, mesh, batch_axis)
 
         def function(iterator):
             outputs = None
             for _, data in zip(range(self.steps_per_execution), iterator):
-                outputs = one_step(_data.shard_batch(data, mesh, batch_axis))
+                outputs = one_step(data)
             if outputs is None:
                 raise StopIteration
             return outputs
@@ -120,12 +141,12 @@ def install() -> None:
             return self.predict_function
         check_layout_map(self)
         mesh, batch_axis = mesh_of(self)
-        step = self.predict_step if self.run_eagerly else tf.function(self.predict_step, reduce_retracing=True)
+        step = _by_batch_split(self.predict_step, self.run_eagerly, mesh, batch_axis)
 
         def predict_function(data):
             outputs = None
             for batch in data:
-                out = step(_data.shard_batch(batch, mesh, batch_axis))
+                out = step(batch)
                 out = tf.nest.map_structure(_data.gather_to_numpy, out)
                 outputs = out if outputs is None else tf.nest.map_structure(
                     lambda a, b: np.concatenate([a, b]), outputs, out

@@ -21,8 +21,10 @@ sharded on the other mesh dim.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import tensorflow as tf
 from tensorflow.experimental import dtensor
@@ -48,6 +50,22 @@ __all__ = [
     "PrepareModuleInput",
     "PrepareModuleOutput",
 ]
+
+
+_BATCH_REPLICATED: contextvars.ContextVar[bool] = contextvars.ContextVar("tfdist_batch_replicated", default=False)
+
+
+@contextlib.contextmanager
+def replicated_batch() -> Iterator[None]:
+    """Inside, styles keep activations' batch dim replicated instead of sharding it over the
+    data-parallel mesh dim: for a batch that does not split evenly (the last partial batch
+    of an epoch, ``predict`` on one sample), every data-parallel replica computes it whole --
+    exactly one device's loss and gradients, with no padding."""
+    token = _BATCH_REPLICATED.set(True)
+    try:
+        yield
+    finally:
+        _BATCH_REPLICATED.reset(token)
 
 
 def on_mesh(x: tf.Tensor, mesh_tf: dtensor.Mesh) -> tf.Tensor:
@@ -79,7 +97,7 @@ class _Context:
         root = list(to_root_placements(self.mesh, normalize_placements(tuple(placements), self.mesh, rank)))
         if (
             self.batch_axis is not None and rank >= 1 and root[self.batch_axis].is_replicate()
-            and not any(p.is_shard(0) for p in root)
+            and not any(p.is_shard(0) for p in root) and not _BATCH_REPLICATED.get()
         ):
             root[self.batch_axis] = Shard(0)  # activations stay batch-sharded
         return tuple(root)
