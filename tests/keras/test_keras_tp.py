@@ -177,6 +177,11 @@ def test_embedding_colwise_and_rowwise_equal_replicated():
     parallelize_module(model, m["tp"], {"col": ColwiseParallel(output_layouts=Replicate()), "row": RowwiseParallel()})
     got = tf.function(lambda a: model(a))(shard_batch(tf.constant(IDS[:8]), m, 0))
     np.testing.assert_allclose(gather_to_numpy(got), want, atol=1e-6)
+    np.testing.assert_allclose(gather_to_numpy(model(IDS[:8])), want, atol=1e-6)  # eager
+    bad = IDS[:8].copy()
+    bad[1, 2] = V  # no device owns this row: an error, as TF's gather on CPU, not silent zeros
+    with pytest.raises(tf.errors.InvalidArgumentError, match=f"id {V} is not in"):
+        model.row(bad)
 
 
 def test_prepare_module_input_and_output():

@@ -99,6 +99,12 @@ def partial_lookup(ctx, ids: tf.Tensor, table: tf.Tensor) -> tf.Tensor:
         dtensor.Layout([tp] + [dtensor.UNSHARDED] * table.shape.rank, mesh),
     )
     ids = tf.cast(ids, tf.int32)
+    if tf.executing_eagerly():  # as TF's gather on CPU: an id no device owns is an error, not zeros
+        low, high = int(tf.reduce_min(ids)), int(tf.reduce_max(ids))
+        if low < 0 or high >= vocab:
+            raise tf.errors.InvalidArgumentError(
+                None, None, f"Embedding lookup: id {low if low < 0 else high} is not in [0, {vocab})."
+            )
     rank = ids.shape.rank
     ids_layout = _stacked_layout(ctx, rank)
     offsets = tf.reshape(tf.range(parts, dtype=tf.int32) * rows, [parts] + [1] * rank)
