@@ -96,3 +96,27 @@ def test_readme_example_runs_and_prints_what_it_says(tmp_path):
     for line in code.splitlines():  # every "# <expected output>" comment on a print line holds
         if line.startswith("print(") and "# " in line:
             assert line.split("# ", 1)[1].split(" = ")[0].strip() in out.stdout, (line, out.stdout)
+
+
+def test_the_command_is_quiet_by_default_and_verbose_on_request():
+    """No TensorFlow log lines (I/W/E0000, absl) in the command's output unless --verbose;
+    importing tfdist as a library leaves TF's logging as the user set it."""
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    run = lambda *a: subprocess.run([sys.executable, *a], capture_output=True, text=True, env=env,  # noqa: E731
+                                    timeout=300)
+    quiet = run("-m", "tfdist.cli", "demo", "--skip-keras")
+    assert quiet.returncode == 0, quiet.stderr
+    noise = [ln for ln in (quiet.stdout + quiet.stderr).splitlines() if "0000 " in ln or "absl" in ln]
+    assert not noise, noise
+    verbose = run("-m", "tfdist.cli", "--verbose", "info")
+    assert verbose.returncode == 0 and "0000 " in verbose.stderr
+    library = run("-c", "import tfdist")
+    assert "0000 " in library.stderr  # not the command: TF's own logging is untouched
+
+
+def test_quiet_detection():
+    from tfdist._quiet import is_quiet_command
+
+    assert is_quiet_command(["python", "-m", "tfdist.cli", "demo"])
+    assert not is_quiet_command(["python", "-m", "tfdist.cli", "--verbose", "demo"])
+    assert not is_quiet_command(["python", "-c", "import tfdist"])

@@ -14,6 +14,11 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from tfdist._quiet import quiet_import
+
+with quiet_import():  # only the `tfdist` command is quieted (see tfdist/_quiet.py)
+    import tensorflow  # noqa: F401
+
 from tfdist import tensor
 from tfdist._runtime import (
     barrier,

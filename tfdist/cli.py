@@ -156,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="tfdist", description="The tfdist command: demo, info and run (the launcher)."
     )
     parser.add_argument("--version", action="version", version=f"tfdist {_version()}")
+    parser.add_argument("--verbose", action="store_true", help="show TensorFlow's own log lines (quiet by default)")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("run", help="start a multi-client program, torchrun-style (see tfdist run --help)")
     demo = sub.add_parser("demo", help="DTensor basics, then a Keras GPT trained with model.fit, on 8 virtual CPUs")
@@ -165,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     info.add_argument("--virtual-cpus", type=int, default=0, help="split the CPU into N devices first")
     info.set_defaults(func=_info)
     args = parser.parse_args(argv)
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TF's C++ banner out of the output
+    if not args.verbose:  # (tfdist/_quiet.py already quieted TensorFlow's import)
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     return args.func(args)
 
 
