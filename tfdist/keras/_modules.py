@@ -116,6 +116,15 @@ def _partial_batches_replicated(module: Any, call: Callable[..., Any]) -> Callab
     return checked
 
 
+def _ensure_base_call(layer: Any) -> None:
+    """One indirection under every hook, so the innermost computation can be swapped later
+    (FSDP's gathered product inside tensor-parallel relayouts applied before it)."""
+    if "_tfdist_base_call" not in layer.__dict__:
+        layer._tfdist_base_call = layer.call
+        outer = layer.call
+        layer.call = functools.wraps(outer)(lambda *args, **kwargs: layer._tfdist_base_call(*args, **kwargs))
+
+
 class KerasModules:
     """The ModuleBackend for Keras 3 layers and models."""
 
@@ -196,6 +205,23 @@ class KerasModules:
     def is_placed(self, variable: Any) -> bool:
         return _variables.is_dtensor_variable(variable)
 
+    def variable_layout(self, variable: Any) -> dtensor.Layout | None:
+        if not _variables.is_dtensor_variable(variable):
+            return None
+        return _variables.layout_of(variable._value)
+
+    def stored_value(self, variable: Any) -> Any:
+        inner = variable._value
+        if isinstance(inner, dtensor.DVariable):
+            return _variables.current_value(inner)
+        return tf.convert_to_tensor(inner)
+
+    def read_as(self, values: list[tuple[Any, Any]]) -> contextlib.AbstractContextManager:
+        return _variables.reads_as(values)
+
+    def call_replaced(self, layer: Any) -> bool:
+        return bool(getattr(layer, "_tfdist_call_replaced", False))
+
     def defer(self, pending: Pending, apply: Callable[[Any], None]) -> None:
         parent = pending.parent
         hooks = _DEFERRED.get(parent)
@@ -213,6 +239,7 @@ class KerasModules:
         hooks.append(lambda: apply(getattr(parent, pending.attr)))
 
     def wrap_call(self, layer: Any, before: Callable | None, after: Callable | None) -> None:
+        _ensure_base_call(layer)
         original = layer.call
 
         @functools.wraps(original)
@@ -225,8 +252,15 @@ class KerasModules:
         layer.call = call  # this instance only
 
     def replace_call(self, layer: Any, call: Callable[..., Any]) -> None:
+        _ensure_base_call(layer)
         original = layer.call
         layer.call = functools.wraps(original)(lambda *args, **kwargs: call(original, *args, **kwargs))
+        layer._tfdist_call_replaced = True
+
+    def replace_inner_call(self, layer: Any, call: Callable[..., Any]) -> None:
+        _ensure_base_call(layer)
+        base = layer._tfdist_base_call
+        layer._tfdist_base_call = functools.wraps(base)(lambda *args, **kwargs: call(base, *args, **kwargs))
 
     def is_symbolic(self, x: Any) -> bool:
         return isinstance(x, keras.KerasTensor)

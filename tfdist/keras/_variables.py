@@ -114,6 +114,27 @@ class variables_as_handles:
         _state.handles = self.saved
 
 
+class reads_as:
+    """Within it (this thread), reading one of the given Keras variables gives its tensor.
+
+    FSDP runs a layer's call with its gathered (unsharded) parameters this
+    way: the layer's code reads ``self.kernel`` as usual and gets the
+    all-gathered value, whose gradient flows back to the sharded variable.
+    Keras' ``StatelessScope`` does the same for reads but also captures
+    assignments and losses, which must reach the real variables here.
+    """
+
+    def __init__(self, values: list[tuple[Any, tf.Tensor]]) -> None:
+        self.values = {id(v): t for v, t in values}
+
+    def __enter__(self) -> None:
+        self.saved = getattr(_state, "substitutes", {})
+        _state.substitutes = {**self.saved, **self.values}
+
+    def __exit__(self, *exc: object) -> None:
+        _state.substitutes = self.saved
+
+
 # -- where a new variable's layout comes from -----------------------------------
 class layout_scope:
     """Within it, the next variables created take ``layout`` (optimizer slots)."""
@@ -235,6 +256,9 @@ def install() -> None:
     base_value = KerasVariable.value.fget
 
     def value(self):
+        substitute = getattr(_state, "substitutes", {}).get(id(self))
+        if substitute is not None:  # FSDP: the gathered parameter, inside its layer's call
+            return self._maybe_autocast(substitute)
         inner = self.__dict__.get("_value")
         if isinstance(inner, dtensor.DVariable) and id(inner) not in getattr(_state, "handles", ()):
             cache = _graph_cache()

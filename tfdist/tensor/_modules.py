@@ -90,6 +90,18 @@ class ModuleBackend(Protocol):
     def is_placed(self, variable: Any) -> bool:
         """True when the variable already lives on a mesh."""
 
+    def variable_layout(self, variable: Any) -> dtensor.Layout | None:
+        """The layout of a variable on a mesh (None when it is not on one)."""
+
+    def stored_value(self, variable: Any) -> Any:
+        """The variable's stored tensor: its own dtype and layout (no autocast, no ``read_as``)."""
+
+    def read_as(self, values: list[tuple[Any, Any]]) -> AbstractContextManager:
+        """Within it (this thread), reading a variable of the ``(variable, tensor)`` pairs gives its tensor."""
+
+    def call_replaced(self, layer: Any) -> bool:
+        """True when a style already replaced the layer's computation (``replace_call``)."""
+
     def defer(self, pending: Pending, apply: Callable[[Any], None]) -> None:
         """Runs ``apply(sublayer)`` once ``pending`` exists."""
 
@@ -98,6 +110,9 @@ class ModuleBackend(Protocol):
 
     def replace_call(self, layer: Any, call: Callable[..., Any]) -> None:
         """Calls go to ``call(original_call, *args, **kwargs)``."""
+
+    def replace_inner_call(self, layer: Any, call: Callable[..., Any]) -> None:
+        """Like ``replace_call`` but inside the hooks already around the call (``wrap_call``)."""
 
     def is_symbolic(self, x: Any) -> bool:
         """True for a symbolic placeholder (a functional model's build-time input)."""

@@ -68,6 +68,11 @@ def replicated_batch() -> Iterator[None]:
         _BATCH_REPLICATED.reset(token)
 
 
+def batch_replicated() -> bool:
+    """True inside ``replicated_batch()``: the batch is whole on every data-parallel replica."""
+    return _BATCH_REPLICATED.get()
+
+
 def on_mesh(x: tf.Tensor, mesh_tf: dtensor.Mesh) -> tf.Tensor:
     """An eager plain tensor copied onto the mesh (replicated); DTensors/graph tensors unchanged."""
     if tf.executing_eagerly() and not dtensor.is_dtensor(x):

@@ -1,0 +1,287 @@
+"""fully_shard on Keras models: parity with one device, sharded state, collectives, policies, errors."""
+
+from __future__ import annotations
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdist
+from keras_helpers import DenseAdam, float64, logits_loss_grads, max_weight_diff, no_global_distribution  # noqa: F401
+from tfdist.fsdp import (
+    CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method,
+)
+from tfdist.keras._data import gather_to_numpy
+from tfdist.models import GPT, gpt_tp_plan
+from tfdist.tensor import Shard
+from tfdist.tensor.debug import CommDebugMode
+from tfdist.tensor.parallel import parallelize_module
+
+RNG = np.random.default_rng(0)
+X = RNG.standard_normal((51, 16))
+Y = RNG.standard_normal((51, 3))
+V, S = 32, 8
+IDS = RNG.integers(0, V, (64, S))
+NEXT = RNG.integers(0, V, (64, S))
+SCE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def dp_mesh(n=8):
+    return tfdist.init_device_mesh("cpu", (n,), mesh_dim_names=("dp",))
+
+
+def make_mlp():
+    """16 -> 32 (relu) -> LayerNorm -> 3: the last bias (3) is smaller than the mesh (8)."""
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([
+        keras.Input((16,)),
+        keras.layers.Dense(32, activation="relu", name="up"),
+        keras.layers.LayerNormalization(name="norm"),
+        keras.layers.Dense(3, name="down"),
+    ])
+
+
+def make_gpt():
+    keras.utils.set_random_seed(0)
+    model = GPT(V, S, dim=16, heads=4, depth=2)
+    model(IDS[:1])
+    return model
+
+
+def shard_gpt(model, mesh):
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def fit(model, x, y, loss, epochs=2, batch=16):
+    model.compile(optimizer=DenseAdam(1e-2), loss=loss)
+    return model.fit(x, y, batch_size=batch, epochs=epochs, verbose=0, shuffle=False).history["loss"]
+
+
+def local_shape(variable):
+    from tensorflow.experimental import dtensor
+
+    return tuple(dtensor.unpack(variable._value.read_value())[0].shape)
+
+
+def test_mlp_fit_equals_one_device(float64):
+    """51 samples in batches of 16: three sharded steps and a last batch of 3 (replicated)."""
+    ref = make_mlp()
+    ref_loss = fit(ref, X, Y, "mse")
+    model = make_mlp()
+    for layer in model.layers:
+        fully_shard(layer, mesh=dp_mesh())
+    fully_shard(model, mesh=dp_mesh())
+    loss = fit(model, X, Y, "mse")
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)  # Keras reports the loss in float32
+    assert max_weight_diff(ref, model) < 1e-12
+
+
+@pytest.mark.parametrize("shape", [(8,), (2, 4)], ids=["fsdp-8", "fsdp2xtp4"])
+def test_gpt_fit_equals_one_device(float64, shape):
+    ref = make_gpt()
+    ref_loss = fit(ref, IDS, NEXT, SCE)
+    model = make_gpt()
+    if len(shape) == 1:
+        mesh = dp_mesh()
+        shard_gpt(model, mesh)
+    else:
+        mesh = tfdist.init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh["tp"], gpt_tp_plan())
+        shard_gpt(model, mesh["dp"])
+    loss = fit(model, IDS, NEXT, SCE)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)  # Keras reports the loss in float32
+    assert max_weight_diff(ref, model) < 1e-11
+
+
+def test_fsdp_on_tp_shards_weights_on_both_mesh_dims():
+    mesh = tfdist.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+    model = make_gpt()
+    parallelize_module(model, mesh["tp"], gpt_tp_plan())
+    shard_gpt(model, mesh["dp"])
+    up = model.blocks[0].mlp.up.kernel  # Colwise: [16, 64] tp on dim 1; FSDP adds dp on dim 0
+    assert local_shape(up) == (8, 16)
+    down = model.blocks[0].mlp.down.kernel  # Rowwise: [64, 16] tp on dim 0; FSDP takes dim 1
+    assert local_shape(down) == (16, 8)
+
+
+def test_parameters_gradients_and_optimizer_state_are_sharded():
+    model = make_gpt()
+    shard_gpt(model, dp_mesh())
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=SCE)
+    model.fit(IDS[:16], NEXT[:16], batch_size=16, epochs=1, verbose=0)
+    whole = 0
+    for v in model.trainable_variables:
+        n, k = int(np.prod(v.shape)), int(np.prod(local_shape(v)))
+        if any(d % 8 == 0 for d in v.shape):
+            assert k * 8 == n, v.path
+        else:  # the attention biases (4 heads x 4) have no dim of 8 or more: kept whole
+            assert k == n and max(v.shape) < 8, v.path
+            whole += n
+    assert whole < 0.02 * sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+    slots = [v for v in model.optimizer.variables if len(v.shape) and hasattr(v._value, "layout")]
+    for slot in slots:
+        assert int(np.prod(local_shape(slot))) * 8 == int(np.prod(slot.shape)) or slot.shape[0] % 8, slot.path
+    assert any(int(np.prod(local_shape(s))) * 8 == int(np.prod(s.shape)) for s in slots)
+    grads = logits_loss_grads(model, IDS[:16], NEXT[:16])[2]
+    kernel = model.blocks[0].mlp.up.kernel
+    g = grads[[id(v) for v in model.trainable_variables].index(id(kernel))]
+    from tensorflow.experimental import dtensor
+
+    assert dtensor.fetch_layout(g).sharding_specs[0] == "dp"  # the gradient arrives as the shard
+
+
+def dense_stack(depth=4, dim=64):
+    keras.utils.set_random_seed(0)
+    return keras.Sequential(
+        [keras.Input((dim,))] + [keras.layers.Dense(dim, activation="tanh", name=f"d{i}") for i in range(depth)]
+    )
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_collectives_are_gathers_and_reduce_scatters(reshard):
+    """4 Dense layers: forward 4 gathers (x2 params); backward gathers again the 3 kernels whose input
+    gradient is needed (reshard=True); every gradient is reduce-scattered; no all-reduce."""
+    model = dense_stack()
+    for layer in model.layers:
+        fully_shard(layer, mesh=dp_mesh(), reshard_after_forward=reshard)
+    fully_shard(model, mesh=dp_mesh(), reshard_after_forward=reshard)
+    x = tf.constant(RNG.standard_normal((16, 64)), tf.float32)
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            y = model(x)
+            loss = tf.reduce_sum(y * y)
+        return tape.gradient(loss, model.trainable_variables)
+
+    with CommDebugMode() as comm:
+        grads = step(x)
+    counts = comm.get_comm_counts()
+    assert counts.get("all_gather_into_tensor") == 8 + (3 if reshard else 0)
+    assert counts.get("all_to_all_single") == 8  # the reduce-scatters
+    assert "all_reduce" not in counts
+    ref = dense_stack()
+    with tf.GradientTape() as tape:
+        y = ref(x)
+        loss = tf.reduce_sum(y * y)
+    for a, b in zip(tape.gradient(loss, ref.trainable_variables), grads):
+        np.testing.assert_allclose(gather_to_numpy(b), a.numpy(), rtol=2e-5, atol=2e-6)
+
+
+def test_custom_tf_function_loop_equals_one_device(float64):
+    ref = make_gpt()
+    model = shard_gpt(make_gpt(), dp_mesh())
+    ids, labels = tf.constant(IDS[:16]), tf.constant(NEXT[:16])
+    _, ref_loss, ref_grads = logits_loss_grads(ref, ids, labels)
+    step = tf.function(lambda i, l: logits_loss_grads(model, i, l))
+    _, loss, grads = step(ids, labels)
+    assert abs(float(gather_to_numpy(loss)) - float(ref_loss)) < 1e-12
+    for a, b in zip(ref_grads, grads):
+        np.testing.assert_allclose(gather_to_numpy(tf.convert_to_tensor(b)), tf.convert_to_tensor(a).numpy(),
+                                   atol=1e-12)
+
+
+def test_mixed_precision_bfloat16_params_float32_reduction():
+    """bf16 gathers and products, f32 master weights and gradient reduction: within bf16's precision
+    of the float32 computation; the optimizer state stays float32."""
+    ref = dense_stack(depth=2)
+    model = dense_stack(depth=2)
+    policy = MixedPrecisionPolicy(param_dtype="bfloat16", reduce_dtype="float32", output_dtype="float32")
+    for layer in model.layers:
+        fully_shard(layer, mesh=dp_mesh(), mp_policy=policy)
+    fully_shard(model, mesh=dp_mesh(), mp_policy=policy)
+    x = tf.constant(RNG.standard_normal((16, 64)), tf.float32)
+    with tf.GradientTape() as tape:
+        y = model(x)
+        loss = tf.reduce_mean(y * y)
+    grads = tape.gradient(loss, model.trainable_variables)
+    assert y.dtype == tf.float32
+    with tf.GradientTape() as tape:
+        y_ref = ref(x)
+        ref_loss = tf.reduce_mean(y_ref * y_ref)
+    ref_grads = tape.gradient(ref_loss, ref.trainable_variables)
+    np.testing.assert_allclose(gather_to_numpy(y), y_ref.numpy(), atol=3e-2)
+    for v, a, b in zip(model.trainable_variables, ref_grads, grads):
+        assert v.dtype == "float32" and b.dtype == tf.float32
+        scale = float(np.abs(a.numpy()).max())
+        assert float(np.abs(gather_to_numpy(b) - a.numpy()).max()) < 3e-2 * scale, v.path
+
+
+def test_class_is_fsdp_module_and_noops_warn():
+    model = dense_stack(depth=1)
+    fully_shard(model.layers[0], mesh=dp_mesh())
+    fully_shard(model, mesh=dp_mesh())
+    assert isinstance(model, FSDPModule) and isinstance(model, keras.Sequential)
+    assert type(model.layers[0]).__name__ == "FSDPDense"
+    assert {id(v) for v in model.layers[0].fsdp_params} == {id(model.layers[0].kernel), id(model.layers[0].bias)}
+    assert model.fsdp_params == []  # all grouped by the child
+    with pytest.warns(UserWarning, match="unshard"):
+        handle = model.unshard(async_op=True)
+    handle.wait()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.reshard()
+        model.set_reshard_after_backward(False)
+        model.set_is_last_backward(True)
+        model.set_requires_all_reduce(False)
+
+
+def test_register_fsdp_forward_method(float64):
+    ref = make_mlp()
+    model = make_mlp()
+    fully_shard(model, mesh=dp_mesh())
+    model.logits_of = lambda x: model.layers[-1](model.layers[1](model.layers[0](x)))
+    register_fsdp_forward_method(model, "logits_of")
+    x = tf.constant(X[:8])
+    np.testing.assert_allclose(gather_to_numpy(model.logits_of(x)), ref(x).numpy(), atol=1e-12)
+
+
+def test_save_weights_load_into_one_device_model(tmp_path, float64):
+    model = make_mlp()
+    fully_shard(model, mesh=dp_mesh())
+    fit(model, X, Y, "mse", epochs=1)
+    path = str(tmp_path / "fsdp.weights.h5")
+    model.save_weights(path)
+    plain = make_mlp()
+    plain.load_weights(path)
+    assert max_weight_diff(model, plain) == 0.0
+    again = make_mlp()
+    fully_shard(again, mesh=dp_mesh())
+    again.load_weights(path)
+    assert max_weight_diff(again, plain) == 0.0
+
+
+def test_ignored_params_and_shard_placement_fn():
+    model = dense_stack(depth=2, dim=16)
+    first = model.layers[0]
+    fully_shard(model, mesh=dp_mesh(), ignored_params=[first.bias],  # Keras variables are unhashable: a list
+                shard_placement_fn=lambda v: Shard(1) if len(v.shape) == 2 else None)
+    assert local_shape(first.kernel) == (16, 2)
+    assert not hasattr(first.bias._value, "layout") or local_shape(first.bias) == (16,)
+    assert all(id(v) != id(first.bias) for v in model.fsdp_params)
+
+
+def test_bad_input_is_refused_before_anything_changes():
+    model = dense_stack(depth=1)
+    with pytest.raises(ValueError, match="1-D"):
+        fully_shard(model, mesh=tfdist.init_device_mesh("cpu", (2, 4), mesh_dim_names=("r", "s")))
+    with pytest.raises(ValueError, match="param_dtype"):
+        MixedPrecisionPolicy(param_dtype="int32")
+    with pytest.raises(ValueError, match="reshard_after_forward"):
+        fully_shard(model, mesh=dp_mesh(), reshard_after_forward="yes")
+    with pytest.raises(NotImplementedError, match="CPUOffloadPolicy"):
+        fully_shard(model, mesh=dp_mesh(), offload_policy=CPUOffloadPolicy())
+    with pytest.raises(ValueError, match="Shard"):
+        fully_shard(model, mesh=dp_mesh(), shard_placement_fn=lambda v: "dim0")
+    with pytest.raises(ValueError, match="not built"):
+        fully_shard(keras.layers.Dense(4), mesh=dp_mesh())
+    assert not isinstance(model, FSDPModule)
+    assert all(not hasattr(v._value, "layout") for v in model.variables)  # nothing was placed
+    fully_shard(model, mesh=dp_mesh())
+    with pytest.raises(ValueError, match="already applied"):
+        fully_shard(model, mesh=dp_mesh())

@@ -1,0 +1,19 @@
+"""Fully sharded data parallel for Keras 3 on TF DTensor (torch.distributed.fsdp).
+
+``fully_shard`` (FSDP2) shards each group's parameters over the
+data-parallel devices; gradients are reduce-scattered and optimizer state
+is sharded with its parameter.
+"""
+
+from tfdist.fsdp._fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from tfdist.fsdp._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+__all__ = [
+    "fully_shard",
+    "FSDPModule",
+    "UnshardHandle",
+    "register_fsdp_forward_method",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "CPUOffloadPolicy",
+]

@@ -1,0 +1,455 @@
+"""fully_shard (torch.distributed.fsdp.fully_shard, FSDP2) for Keras 3 layers and models.
+
+Each call groups the trainable variables of ``module`` that no FSDP child
+has grouped already.  They are stored sharded over the data-parallel mesh
+dim (TF DVariables with ``dp`` on one dim, other mesh dims -- tensor
+parallel -- kept), so the optimizer's slots take the same layout and every
+device holds 1/N of parameters, gradients and optimizer state.
+
+Around the call of the layer that owns a parameter, the parameter is
+all-gathered; the gather waits for the layer's input, so full parameters
+exist only around their use.  ``Dense`` and ``EinsumDense`` compute their
+product in ``sharded_einsum``: the gradient is reduce-scattered (the bytes
+of torch's) and, with ``reshard_after_forward``, the full kernel is
+gathered again in the backward instead of being kept alive from the
+forward.  Any other layer reads its gathered parameters through the
+backend's ``read_as``; TF then sums its gradient inside the consuming op
+(an all-reduce) and FSDP keeps the local slice.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Iterable
+
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from tfdist import _runtime
+from tfdist.device_mesh import DeviceMesh, _mesh_stack, init_device_mesh
+from tfdist.fsdp._collectives import ShardedParam, gathered_with_sliced_grad, sharded_einsum
+from tfdist.fsdp._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from tfdist.tensor._modules import ModuleBackend, module_backend, replicate_unplaced
+from tfdist.tensor.parallel.style import as_tf, batch_replicated, on_mesh
+from tfdist.tensor.placement_types import Shard
+
+__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
+
+
+class UnshardHandle:
+    """What ``FSDPModule.unshard(async_op=True)`` returns; ``wait()`` returns at once."""
+
+    def wait(self) -> None:
+        """Nothing to wait for: see ``FSDPModule.unshard``."""
+
+
+def _noop(method: str, why: str) -> None:
+    warnings.warn(f"FSDPModule.{method} has no effect in TensorFlow: {why}", UserWarning, stacklevel=3)
+
+
+class FSDPModule:
+    """Mixin that ``fully_shard`` adds to a layer's class (``FSDPDense``, ``FSDPSequential``...).
+
+    Example::
+
+        fully_shard(model)
+        isinstance(model, FSDPModule)   # True
+        model.set_reshard_after_backward(False)
+    """
+
+    _tfdist_fsdp: "_FSDPState"
+
+    def reshard(self) -> None:
+        """Full parameters exist only inside the step that uses them (TF frees a tensor after its
+        last use), so there is nothing to free between steps: a no-op."""
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """A no-op with a warning: in TF, parameters are all-gathered inside the traced step,
+        where the executor schedules the collective itself; a gather made outside a step cannot
+        be handed to it."""
+        _noop("unshard", "the all-gather runs inside each traced step, scheduled by TF's executor")
+        return UnshardHandle() if async_op else None
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """Gradients w.r.t. a sharded variable are always reduced (TF gradients have the
+        variable's global shape; a per-device unreduced gradient has no such form).  For
+        gradient accumulation use Keras' ``optimizer(gradient_accumulation_steps=k)``: the same
+        result as one large batch, with one reduce-scatter per micro-batch."""
+        if not requires_gradient_sync:
+            _noop("set_requires_gradient_sync(False)", "gradients of sharded variables are always reduced")
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """A no-op: full parameters never outlive the traced step in TF."""
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """A no-op: TF's executor finishes every pending reduction before the step returns."""
+
+    def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """A no-op with a warning: TF's executor orders the all-gathers within the step."""
+        _noop("set_modules_to_forward_prefetch", "TF's executor orders collectives within the traced step")
+
+    def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """A no-op with a warning: TF's executor orders the all-gathers within the step."""
+        _noop("set_modules_to_backward_prefetch", "TF's executor orders collectives within the traced step")
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Gradients are summed over the batch shards (Keras losses already average over the
+        global batch); the reduce-scattered gradient is divided by ``factor``."""
+        if not factor or factor <= 0:
+            raise ValueError(f"set_reduce_scatter_divide_factor(factor) must be > 0. Received: factor={factor!r}")
+        self._tfdist_fsdp.divide_factor = float(factor)
+        warnings.warn(
+            "set_reduce_scatter_divide_factor: tfdist applies the factor to the gradients of "
+            "Dense/EinsumDense layers of this group only.", UserWarning, stacklevel=2,
+        )
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """Only meaningful for HSDP, which tfdist does not offer (see ``fully_shard``): a no-op."""
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """With False, the backward reuses the forward's full parameters instead of gathering again
+        (``reshard_after_forward=False`` for this module)."""
+        self._tfdist_fsdp.regather_in_backward = bool(unshard_in_backward) and self._tfdist_fsdp.reshard
+
+    @property
+    def fsdp_params(self) -> list[Any]:
+        """The variables this module's group shards."""
+        return [v for v, _ in self._tfdist_fsdp.params]
+
+
+class _FSDPState:
+    """One group: its variables, how each is sharded, the policies."""
+
+    def __init__(self, mesh: DeviceMesh, reshard: bool, mp: MixedPrecisionPolicy, offload: OffloadPolicy) -> None:
+        self.mesh = mesh
+        self.reshard = reshard
+        self.regather_in_backward = reshard
+        self.mp = mp
+        self.offload = offload
+        self.params: list[tuple[Any, ShardedParam]] = []
+        self.divide_factor: float | None = None
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _fsdp_class(cls: type) -> type:
+    """``FSDP<Name>``: the layer's class and FSDPModule (as torch's fully_shard does)."""
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"FSDP{cls.__name__}", (cls, FSDPModule), {"__module__": cls.__module__})
+    return _CLASSES[cls]
+
+
+def _default_mesh() -> DeviceMesh:
+    """torch's default: every device, one data-parallel dim (or the innermost ``with mesh:``)."""
+    stack = _mesh_stack()
+    if stack:
+        return stack[-1]
+    kind = _runtime.detect_device_type()
+    return init_device_mesh(kind, (_runtime.num_global_devices(kind),), mesh_dim_names=("dp",))
+
+
+def _check_args(module: Any, mesh: DeviceMesh, reshard_after_forward: Any, mp_policy: Any, offload_policy: Any,
+                path: str) -> None:
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"fully_shard(mesh=...) must be a tfdist DeviceMesh. Received: {type(mesh).__name__}")
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"fully_shard({path!r}): mesh must be 1-D (the data-parallel dim; a slice such as "
+            f"mesh['dp'] of a 2-D dp x tp mesh composes with tensor parallel). Received: a mesh with "
+            f"{mesh.ndim} dims {mesh.axis_names}. HSDP's 2-D (replicate, shard) mesh needs the batch "
+            "sharded over two mesh dims, which a TF DTensor layout cannot express (one mesh dim per "
+            "tensor dim); use a 1-D mesh over all data-parallel devices."
+        )
+    if not isinstance(reshard_after_forward, (bool, int)):
+        raise ValueError(
+            f"fully_shard({path!r}): reshard_after_forward must be a bool or an int. "
+            f"Received: {reshard_after_forward!r}"
+        )
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise ValueError(
+            f"fully_shard({path!r}): mp_policy must be a MixedPrecisionPolicy. Received: {mp_policy!r}"
+        )
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise ValueError(
+            f"fully_shard({path!r}): offload_policy must be OffloadPolicy() or CPUOffloadPolicy(). "
+            f"Received: {offload_policy!r}"
+        )
+    if isinstance(offload_policy, CPUOffloadPolicy):
+        raise NotImplementedError(
+            f"fully_shard({path!r}): CPUOffloadPolicy is not supported yet: a TF DTensor variable lives "
+            "on the mesh's devices, and a host copy of a sharded variable needs a host mesh of the same "
+            "shape. Use OffloadPolicy()."
+        )
+    if isinstance(module, FSDPModule):
+        raise ValueError(
+            f"fully_shard was already applied to {path!r}; apply it once per module, bottom-up "
+            "(blocks first, then the model)."
+        )
+
+
+def _group_variables(modules: ModuleBackend, module: Any, ignored: set[int]) -> list[tuple[str, Any, str, Any]]:
+    """(layer path, owning layer, weight name, variable) of the variables this call groups:
+    trainable, not in an FSDP child's group, not ignored."""
+    taken: set[int] = set(ignored)
+    out = []
+    for path, layer in modules.named_layers(module):
+        if layer is not module and isinstance(layer, FSDPModule):
+            taken |= {id(v) for v in layer.fsdp_params}
+    for path, layer in modules.named_layers(module):
+        if not modules.is_built(layer):
+            continue
+        for name, variable in modules.weights(layer).items():
+            if getattr(variable, "trainable", False) and id(variable) not in taken:
+                taken.add(id(variable))
+                out.append((path or modules.layer_name(module), layer, name, variable))
+    return out
+
+
+def _shard_dim(variable: Any, specs: list[str], size: int, fn: Callable | None, path: str) -> int | None:
+    """The dim a variable is sharded on: ``shard_placement_fn``'s, else the first free dim that
+    divides evenly (torch: dim 0); None leaves it replicated on dp."""
+    shape = tuple(variable.shape)
+    if fn is not None:
+        placement = fn(variable)
+        if placement is not None:
+            if not isinstance(placement, Shard) or not -len(shape) <= placement.dim < len(shape):
+                raise ValueError(
+                    f"fully_shard: shard_placement_fn returned {placement!r} for {path}/{variable.name} of "
+                    f"shape {shape}; expected Shard(d) with 0 <= d < {len(shape)}, or None."
+                )
+            d = placement.dim % len(shape)
+            if specs[d] != dtensor.UNSHARDED or shape[d] % size:
+                raise ValueError(
+                    f"fully_shard: {path}/{variable.name} of shape {shape} cannot be sharded on dim {d} "
+                    f"over {size} devices (already sharded on {specs[d]!r} or not divisible)."
+                )
+            return d
+    for d, n in enumerate(shape):
+        if specs[d] == dtensor.UNSHARDED and n % size == 0 and n >= size:
+            return d
+    return None
+
+
+def fully_shard(
+    module: Any,
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int = True,
+    shard_placement_fn: Callable[[Any], Shard | None] | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy = OffloadPolicy(),
+    ignored_params: Iterable[Any] | None = None,
+) -> Any:
+    """Shards a Keras layer's or model's parameters over the data-parallel devices (FSDP2).
+
+    Apply it bottom-up: each call groups the trainable variables of
+    ``module`` not grouped by an earlier call on a sublayer.  The module must
+    be built.  Returns the module, whose class is now also ``FSDPModule``.
+
+    Args:
+        module: a built Keras layer or model (or a list of them, each sharded).
+        mesh: a 1-D mesh (all devices when None), or the dp slice of a 2-D
+            ``(dp, tp)`` mesh whose tp dim a tensor-parallel plan already uses.
+        reshard_after_forward: True frees full parameters after use and
+            gathers again in the backward; False keeps the forward's copy
+            for the backward.  An int is treated as True.
+        shard_placement_fn: ``variable -> Shard(d) | None``; default: the
+            first dim that divides evenly by the mesh size (dim 0 for most
+            weights); a variable with none stays replicated.
+        mp_policy: parameter, reduction and output dtypes.
+        offload_policy: ``OffloadPolicy()`` (CPU offload is not supported).
+        ignored_params: variables to leave as they are.
+
+    Example::
+
+        mesh = tfdist.init_device_mesh("cpu", (8,), mesh_dim_names=("dp",))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        model.compile(optimizer="adam", loss=...); model.fit(x, y, batch_size=64)
+    """
+    if isinstance(module, (list, tuple)):
+        for m in module:
+            fully_shard(m, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                        shard_placement_fn=shard_placement_fn, mp_policy=mp_policy,
+                        offload_policy=offload_policy, ignored_params=ignored_params)
+        return module
+    modules = module_backend(module, "fully_shard")
+    path = modules.layer_name(module)
+    mesh = mesh if mesh is not None else _default_mesh()
+    _check_args(module, mesh, reshard_after_forward, mp_policy, offload_policy, path)
+    if not modules.is_built(module):
+        raise ValueError(
+            f"fully_shard({path!r}): the module is not built, so its variables do not exist yet. "
+            "Build it first: call it once on a batch (model(x[:1])) or model.build(input_shape)."
+        )
+    ignored = {id(v) for v in (ignored_params or ())}
+    group = _group_variables(modules, module, ignored)
+    state = _FSDPState(mesh, bool(reshard_after_forward), mp_policy, offload_policy)
+    root = mesh.root_mesh
+    dp_dim = mesh.root_dims[0]
+    dp, size, tf_mesh = root.axis_names[dp_dim], root.shape[dp_dim], root.to_tf()
+    plans = []
+    for layer_path, layer, name, variable in group:  # decide everything before changing anything
+        layout = modules.variable_layout(variable)
+        if layout is not None and layout.mesh != tf_mesh:
+            raise ValueError(
+                f"fully_shard({path!r}): {layer_path}/{name} lives on another mesh ({layout.mesh}); "
+                "parallelize and shard a model on one mesh (mesh['dp'] and mesh['tp'] of one 2-D mesh)."
+            )
+        specs = list(layout.sharding_specs) if layout is not None else [dtensor.UNSHARDED] * len(variable.shape)
+        if dp in specs:
+            raise ValueError(f"fully_shard({path!r}): {layer_path}/{name} is already sharded on {dp!r}.")
+        d = _shard_dim(variable, specs, size, shard_placement_fn, layer_path)
+        shard_specs = list(specs)
+        if d is not None:
+            shard_specs[d] = dp
+        param = ShardedParam(dtensor.Layout(shard_specs, tf_mesh), dtensor.Layout(specs, tf_mesh), d, dp)
+        plans.append((layer, name, variable, param))
+    modules.attach_mesh(module, mesh, dp_dim)
+    for layer, name, variable, param in plans:
+        modules.place_variable(variable, param.shard_layout)
+        state.params.append((variable, param))
+    replicate_unplaced(modules, module, mesh)
+    _hook_layers(modules, plans, state)
+    _hook_module_dtypes(modules, module, mp_policy)
+    module._tfdist_fsdp = state
+    module.__class__ = _fsdp_class(type(module))
+    return module
+
+
+def _hook_layers(modules: ModuleBackend, plans: list, state: _FSDPState) -> None:
+    by_layer: dict[int, tuple[Any, dict[str, tuple[Any, ShardedParam]]]] = {}
+    for layer, name, variable, param in plans:
+        by_layer.setdefault(id(layer), (layer, {}))[1][name] = (variable, param)
+    for layer, params in by_layer.values():
+        if _einsum_form(modules, layer, params) is not None:
+            modules.replace_inner_call(layer, _sharded_product_call(modules, layer, params, state))
+        elif modules.call_replaced(layer):  # a tensor-parallel product reads the weights itself
+            modules.replace_call(layer, _gathered_call(modules, params, state))
+        else:
+            modules.replace_inner_call(layer, _gathered_call(modules, params, state))
+
+
+def _einsum_form(modules: ModuleBackend, layer: Any, params: dict) -> tuple[str, str] | None:
+    """(equation with ``...`` spelled out later, bias letters) for a Dense/EinsumDense FSDP can compute."""
+    if modules.call_replaced(layer) or getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
+        return None
+    if not set(params) <= {"kernel", "bias"} or "kernel" not in params:
+        return None
+    kind = modules.layer_kind(layer)
+    if kind.kind == "dense":
+        return "dense", "n"
+    if kind.kind == "einsum":
+        lhs, out = kind.equation.split("->")
+        inp, ker = lhs.split(",")
+        if "." in kind.equation or inp[0] in ker or inp[0] not in out or out[0] != inp[0]:
+            return None
+        if any(c not in out and c not in ker for c in inp):
+            return None
+        letters = ""
+        if kind.bias_axes:
+            first = min(out.index(c) for c in kind.bias_axes)
+            letters = out[first:]
+        return kind.equation, letters
+    return None
+
+
+def _sharded_product_call(modules: ModuleBackend, layer: Any, params: dict, state: _FSDPState) -> Callable:
+    kernel_var, kernel_param = params["kernel"]
+    bias = params.get("bias")
+
+    def call(original, inputs, *args, **kwargs):
+        x = as_tf(inputs)
+        if modules.is_symbolic(x) or not isinstance(x, tf.Tensor):
+            return original(inputs, *args, **kwargs)
+        equation, letters = _einsum_form(modules, layer, params) or ("dense", "n")
+        if equation == "dense":
+            lead = "abcdefghijlmopqrsuvwxy"[: x.shape.rank - 1]
+            equation = f"{lead}k,kn->{lead}n"
+        compute = state.mp.param_dtype or tf.as_dtype(layer.compute_dtype)
+        bias_arg = None if bias is None else (modules.stored_value(bias[0]), bias[1], letters)
+        y = sharded_einsum(
+            equation, x, modules.stored_value(kernel_var), kernel_param,
+            batch_sharded=not batch_replicated() and x.shape.rank > 1 and x.shape[0] != 1,
+            compute_dtype=compute, reduce_dtype=state.mp.reduce_dtype,
+            regather=(lambda: modules.stored_value(kernel_var)) if state.regather_in_backward else None,
+            bias=bias_arg,
+        )
+        if state.divide_factor:
+            y = _scale_grad(y, 1.0 / state.divide_factor)
+        activation = getattr(layer, "activation", None)
+        return activation(y) if activation is not None else y
+
+    return call
+
+
+def _scale_grad(y: tf.Tensor, scale: float) -> tf.Tensor:
+    @tf.custom_gradient
+    def scaled(y):
+        return tf.identity(y), lambda dy: dy * tf.cast(scale, dy.dtype)
+
+    return scaled(y)
+
+
+def _gathered_call(modules: ModuleBackend, params: dict, state: _FSDPState) -> Callable:
+    def call(original, *args, **kwargs):
+        first = next((as_tf(a) for a in tf.nest.flatten((args, kwargs)) if isinstance(as_tf(a), tf.Tensor)), None)
+        if first is not None and modules.is_symbolic(first):
+            return original(*args, **kwargs)
+        mesh = state.mesh.root_mesh.to_tf()
+        args, kwargs = tf.nest.map_structure(  # eager host tensors join the parameters' mesh
+            lambda a: on_mesh(a, mesh) if isinstance(a, tf.Tensor) else a, (args, kwargs)
+        )
+        values = [
+            (variable, gathered_with_sliced_grad(modules.stored_value(variable), param, state.mp.param_dtype, first))
+            for variable, param in params.values()
+        ]
+        with modules.read_as(values):
+            return original(*args, **kwargs)
+
+    return call
+
+
+def _hook_module_dtypes(modules: ModuleBackend, module: Any, mp: MixedPrecisionPolicy) -> None:
+    """MixedPrecisionPolicy's casts at the module boundary."""
+    cast_in = mp.param_dtype if mp.cast_forward_inputs else None
+    if cast_in is None and mp.output_dtype is None:
+        return
+
+    def cast(tree, dtype):
+        def one(x):
+            t = as_tf(x)
+            if isinstance(t, tf.Tensor) and not modules.is_symbolic(t) and t.dtype.is_floating and t.dtype != dtype:
+                return tf.cast(t, dtype)
+            return x
+
+        return tf.nest.map_structure(one, tree)
+
+    def before(args, kwargs):
+        return (cast(args, cast_in), kwargs) if cast_in is not None else (args, kwargs)
+
+    def after(outputs):
+        return cast(outputs, mp.output_dtype) if mp.output_dtype is not None else outputs
+
+    modules.wrap_call(module, before, after)
+
+
+def register_fsdp_forward_method(module: Any, method_name: str) -> None:
+    """Runs ``module.<method_name>`` with the module's parameters gathered, like its call.
+
+    Example::
+
+        register_fsdp_forward_method(model, "generate")
+    """
+    if not isinstance(module, FSDPModule):
+        return
+    method = getattr(module, method_name, None)
+    if method is None or not callable(method):
+        raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} has no method {method_name!r}")
+    modules = module_backend(module, "register_fsdp_forward_method")
+    state = module._tfdist_fsdp
+    params = {f"{i}": (v, p) for i, (v, p) in enumerate(state.params)}
+    wrapped = _gathered_call(modules, params, state)
+    setattr(module, method_name, lambda *a, **k: wrapped(method, *a, **k))
