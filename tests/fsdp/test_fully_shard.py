@@ -285,3 +285,16 @@ def test_bad_input_is_refused_before_anything_changes():
     fully_shard(model, mesh=dp_mesh())
     with pytest.raises(ValueError, match="already applied"):
         fully_shard(model, mesh=dp_mesh())
+
+
+def test_docs_example_runs_as_written():
+    """docs/fsdp.md's first example, verbatim (8 virtual CPUs are already set up)."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).parents[2] / "docs" / "fsdp.md").read_text()
+    code = re.findall(r"```python\n(.*?)```", text, re.S)[0]
+    namespace: dict = {}
+    exec(compile(code, "docs/fsdp.md", "exec"), namespace)
+    model = namespace["model"]
+    assert isinstance(model, FSDPModule) and model.optimizer.iterations.numpy() == 4
