@@ -52,15 +52,15 @@ def test_dtensor_values_on_every_rank(nproc):
         assert f"[rank {rank}] OK rank {rank} of {nproc} clients, 2 local devices, mesh (2, {nproc})" in out.stdout
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
-def test_tensor_parallel_fit_across_clients_equals_one_process(tmp_path, nproc):
+@pytest.mark.parametrize("nproc,mode", [(2, "tp"), (4, "tp"), (2, "fsdp"), (2, "fsdp+tp")])
+def test_tensor_parallel_fit_across_clients_equals_one_process(tmp_path, nproc, mode):
     multi, single = tmp_path / "multi.npz", tmp_path / "single.npz"
     total = str(2 * nproc)  # 2 virtual CPUs per client; the mesh is 2 x nproc
     out = launch("--nproc-per-node", str(nproc), "--devices-per-proc", "2", "--master-port",
-                 str(free_base_port(nproc)), str(HERE / "tp_fit.py"), str(multi), total)
+                 str(free_base_port(nproc)), str(HERE / "tp_fit.py"), str(multi), total, mode)
     assert out.returncode == 0, out.stderr[-3000:]
-    ref = subprocess.run([sys.executable, str(HERE / "tp_fit.py"), str(single), total], capture_output=True,
-                         text=True, env=ENV, timeout=240)
+    ref = subprocess.run([sys.executable, str(HERE / "tp_fit.py"), str(single), total, "none"],
+                         capture_output=True, text=True, env=ENV, timeout=240)
     assert ref.returncode == 0, ref.stderr[-3000:]
     a, b = np.load(multi), np.load(single)
     np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-6)

@@ -298,3 +298,18 @@ def test_docs_example_runs_as_written():
     exec(compile(code, "docs/fsdp.md", "exec"), namespace)
     model = namespace["model"]
     assert isinstance(model, FSDPModule) and model.optimizer.iterations.numpy() == 4
+
+
+def test_gradient_accumulation_equals_one_large_batch(float64):
+    """Keras' gradient_accumulation_steps on an FSDP model (the accumulators are sharded like their
+    variables): two batches of 16 then one update == one batch of 32 on one device."""
+    ref = make_mlp()
+    ref.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    ref.fit(X[:32], Y[:32], batch_size=32, epochs=1, verbose=0, shuffle=False)
+    model = make_mlp()
+    fully_shard(model, mesh=dp_mesh())
+    model.compile(optimizer=keras.optimizers.SGD(0.1, gradient_accumulation_steps=2), loss="mse")
+    model.fit(X[:32], Y[:32], batch_size=16, epochs=1, verbose=0, shuffle=False)
+    assert max_weight_diff(ref, model) < 1e-12
+    with pytest.warns(UserWarning, match="always reduced"):
+        model.set_requires_gradient_sync(False)

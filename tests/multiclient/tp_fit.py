@@ -1,6 +1,6 @@
-"""Tensor-parallel model.fit; run under `tfdist run` or alone (with virtual CPUs).
+"""Tensor-parallel (and/or FSDP) model.fit; run under `tfdist run` or alone (with virtual CPUs).
 
-    python tp_fit.py OUT.npz TOTAL_DEVICES
+    python tp_fit.py OUT.npz TOTAL_DEVICES [tp|fsdp|fsdp+tp]
 
 Rank 0 writes the final weights and the loss history to OUT.npz.
 """
@@ -14,10 +14,12 @@ import numpy as np  # noqa: E402
 import tfdist  # noqa: E402
 
 out_path, total = sys.argv[1], int(sys.argv[2])
+mode = sys.argv[3] if len(sys.argv) > 3 else "tp"
 if "WORLD_SIZE" not in os.environ:
     tfdist.virtual_cpus(total)  # the single-process reference: same global mesh
 import keras  # noqa: E402
 
+from tfdist.fsdp import fully_shard  # noqa: E402
 from tfdist.models import MLP, mlp_tp_plan  # noqa: E402
 from tfdist.tensor.parallel import parallelize_module  # noqa: E402
 
@@ -25,7 +27,12 @@ mesh = tfdist.init_device_mesh("cpu", (2, total // 2), mesh_dim_names=("dp", "tp
 keras.utils.set_random_seed(0)
 model = MLP(16, 32)
 model(np.zeros((1, 16), "float32"))
-parallelize_module(model, mesh["tp"], mlp_tp_plan())
+if "tp" in mode:
+    parallelize_module(model, mesh["tp"], mlp_tp_plan())
+if mode == "fsdp":  # one data-parallel dim over every device of every client
+    fully_shard(model, mesh=tfdist.init_device_mesh("cpu", (total,), mesh_dim_names=("dp",)))
+elif mode == "fsdp+tp":
+    fully_shard(model, mesh=mesh["dp"])
 model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
 rng = np.random.default_rng(0)
 x = rng.standard_normal((64, 16)).astype("float32")
