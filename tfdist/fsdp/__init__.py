@@ -2,9 +2,17 @@
 
 ``fully_shard`` (FSDP2) shards each group's parameters over the
 data-parallel devices; gradients are reduce-scattered and optimizer state
-is sharded with its parameter.
+is sharded with its parameter.  ``FullyShardedDataParallel`` is torch's
+FSDP1 API on top of it.
 """
 
+from tfdist.fsdp._fsdp1 import (
+    BackwardPrefetch,
+    CPUOffload,
+    FullyShardedDataParallel,
+    MixedPrecision,
+    ShardingStrategy,
+)
 from tfdist.fsdp._fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from tfdist.fsdp._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
@@ -16,4 +24,9 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "CPUOffloadPolicy",
+    "FullyShardedDataParallel",
+    "ShardingStrategy",
+    "BackwardPrefetch",
+    "MixedPrecision",
+    "CPUOffload",
 ]

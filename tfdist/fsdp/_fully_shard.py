@@ -130,14 +130,17 @@ class _FSDPState:
         self.divide_factor: float | None = None
 
 
-_CLASSES: dict[type, type] = {}
+_CLASSES: dict[tuple[type, tuple[type, ...]], type] = {}
 
 
-def _fsdp_class(cls: type) -> type:
-    """``FSDP<Name>``: the layer's class and FSDPModule (as torch's fully_shard does)."""
-    if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"FSDP{cls.__name__}", (cls, FSDPModule), {"__module__": cls.__module__})
-    return _CLASSES[cls]
+def fsdp_class(cls: type, mixins: tuple[type, ...] = ()) -> type:
+    """``FSDP<Name>``: the layer's class and FSDPModule (as torch's fully_shard does), plus ``mixins``."""
+    if issubclass(cls, FSDPModule):  # adding mixins to a module already swapped
+        cls = next(c for c in cls.__mro__[1:] if not issubclass(c, FSDPModule))
+    key = (cls, mixins)
+    if key not in _CLASSES:
+        _CLASSES[key] = type(f"FSDP{cls.__name__}", (cls, FSDPModule) + mixins, {"__module__": cls.__module__})
+    return _CLASSES[key]
 
 
 def _default_mesh() -> DeviceMesh:
@@ -206,10 +209,15 @@ def _group_variables(modules: ModuleBackend, module: Any, ignored: set[int]) -> 
     return out
 
 
+_REPLICATE = object()  # shard_placement_fn that keeps every variable whole (FSDP1's NO_SHARD)
+
+
 def _shard_dim(variable: Any, specs: list[str], size: int, fn: Callable | None, path: str) -> int | None:
     """The dim a variable is sharded on: ``shard_placement_fn``'s, else the first free dim that
     divides evenly (torch: dim 0); None leaves it replicated on dp."""
     shape = tuple(variable.shape)
+    if fn is _REPLICATE:
+        return None
     if fn is not None:
         placement = fn(variable)
         if placement is not None:
@@ -315,7 +323,7 @@ def fully_shard(
     _hook_layers(modules, plans, state)
     _hook_module_dtypes(modules, module, mp_policy)
     module._tfdist_fsdp = state
-    module.__class__ = _fsdp_class(type(module))
+    module.__class__ = fsdp_class(type(module))
     return module
 
 
@@ -377,6 +385,7 @@ def _sharded_product_call(modules: ModuleBackend, layer: Any, params: dict, stat
             regather=(lambda: modules.stored_value(kernel_var)) if state.regather_in_backward else None,
             bias=bias_arg,
         )
+        y = tf.cast(y, layer.compute_dtype)  # the layer's output dtype, whatever param_dtype computed
         if state.divide_factor:
             y = _scale_grad(y, 1.0 / state.divide_factor)
         activation = getattr(layer, "activation", None)
@@ -402,8 +411,9 @@ def _gathered_call(modules: ModuleBackend, params: dict, state: _FSDPState) -> C
         args, kwargs = tf.nest.map_structure(  # eager host tensors join the parameters' mesh
             lambda a: on_mesh(a, mesh) if isinstance(a, tf.Tensor) else a, (args, kwargs)
         )
-        values = [
-            (variable, gathered_with_sliced_grad(modules.stored_value(variable), param, state.mp.param_dtype, first))
+        values = [  # gathered in param_dtype (fewer bytes), read in the variable's dtype (Keras' rules)
+            (variable, tf.cast(gathered_with_sliced_grad(modules.stored_value(variable), param,
+                                                         state.mp.param_dtype, first), variable.dtype))
             for variable, param in params.values()
         ]
         with modules.read_as(values):

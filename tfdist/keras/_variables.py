@@ -89,6 +89,8 @@ def write(dvariable: dtensor.DVariable, value: tf.Tensor) -> tf.Tensor:
     if tf.executing_eagerly() and not dtensor.is_dtensor(value):
         # a host value (load_weights, set_weights, assign(numpy)): lay it out first
         value = distribute_tensor(value, layout_of(dvariable))
+    elif tf.executing_eagerly() and dtensor.fetch_layout(value) != layout_of(dvariable):
+        value = relayout(value, layout_of(dvariable))  # e.g. a full value written to a sharded variable
     dvariable.assign(value)
     record_write(dvariable, value)
     return value

@@ -1,0 +1,249 @@
+"""The FSDP1 API (torch.distributed.fsdp.FullyShardedDataParallel) on top of ``fully_shard``.
+
+torch's ``FullyShardedDataParallel(module)`` wraps the module in a new one.
+A Keras model must stay the object the user compiles and fits, so here the
+call shards ``module`` in place (units chosen by ``auto_wrap_policy``, then
+the root) and returns it; ``isinstance(model, FullyShardedDataParallel)`` is
+True for it, and the FSDP1 methods (``clip_grad_norm_``, ``no_sync``...) are
+on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import math
+import warnings
+from typing import Any, Callable, Iterator
+
+import tensorflow as tf
+
+from tfdist.device_mesh import DeviceMesh
+from tfdist.fsdp._fully_shard import _REPLICATE, FSDPModule, fsdp_class, fully_shard
+from tfdist.fsdp._policies import MixedPrecisionPolicy
+from tfdist.tensor._modules import module_backend
+
+__all__ = [
+    "FullyShardedDataParallel", "ShardingStrategy", "BackwardPrefetch", "MixedPrecision", "CPUOffload",
+]
+
+
+class ShardingStrategy(enum.Enum):
+    """What FSDP shards (torch's names)."""
+
+    FULL_SHARD = 1
+    SHARD_GRAD_OP = 2
+    NO_SHARD = 3
+    HYBRID_SHARD = 4
+    _HYBRID_SHARD_ZERO2 = 5
+
+
+class BackwardPrefetch(enum.Enum):
+    """Accepted for torch compatibility: TF's executor orders the backward's all-gathers."""
+
+    BACKWARD_PRE = 1
+    BACKWARD_POST = 2
+
+
+class MixedPrecision:
+    """FSDP1's mixed precision: ``param_dtype``, ``reduce_dtype``; ``buffer_dtype`` and
+    ``keep_low_precision_grads`` are accepted (Keras' non-trainable variables keep their dtype;
+    gradients reach the optimizer in the variable's dtype)."""
+
+    def __init__(
+        self, param_dtype: Any = None, reduce_dtype: Any = None, buffer_dtype: Any = None,
+        keep_low_precision_grads: bool = False, cast_forward_inputs: bool = False,
+        cast_root_forward_inputs: bool = True,
+    ) -> None:
+        self.policy = MixedPrecisionPolicy(param_dtype, reduce_dtype, None, cast_forward_inputs)
+        self.root_policy = MixedPrecisionPolicy(param_dtype, reduce_dtype, None, cast_root_forward_inputs)
+        self.buffer_dtype, self.keep_low_precision_grads = buffer_dtype, keep_low_precision_grads
+
+
+class CPUOffload:
+    """``offload_params=True`` is not supported (see ``CPUOffloadPolicy``)."""
+
+    def __init__(self, offload_params: bool = False) -> None:
+        self.offload_params = offload_params
+
+
+class _FSDP1Meta(type):
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, _FSDP1Methods)
+
+
+class _FSDP1Methods:
+    """The FSDP1 instance methods, added to the class of every unit ``FullyShardedDataParallel`` makes."""
+
+    _tfdist_fsdp1_root: bool
+
+    def check_is_root(self) -> bool:
+        """True for the module ``FullyShardedDataParallel`` was called on."""
+        return bool(getattr(self, "_tfdist_fsdp1_root", False))
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, grads: list) -> tf.Tensor:
+        """Clips ``grads`` (the list ``tape.gradient`` returned, replaced in place) to a total
+        ``norm_type``-norm of at most ``max_norm``; returns the total norm before clipping.
+
+        Keras keeps no ``.grad`` on variables, so the gradients are passed in.  Sharded
+        gradients are fine: the norm is the global one.  Inside ``model.fit`` use the
+        optimizer's ``global_clipnorm`` instead.
+
+        Example::
+
+            grads = tape.gradient(loss, model.trainable_variables)
+            total = model.clip_grad_norm_(1.0, grads=grads)
+        """
+        if not isinstance(grads, list):
+            raise TypeError(f"clip_grad_norm_(grads=...) must be the list of gradients. Received: {type(grads).__name__}")
+        norm_type = float(norm_type)
+        present = [tf.convert_to_tensor(g) for g in grads if g is not None]
+        if not present:
+            return tf.constant(0.0)
+        if math.isinf(norm_type):
+            total = tf.reduce_max(tf.stack([tf.reduce_max(tf.abs(tf.cast(g, tf.float32))) for g in present]))
+        else:
+            parts = [tf.reduce_sum(tf.abs(tf.cast(g, tf.float32)) ** norm_type) for g in present]
+            total = tf.add_n(parts) ** (1.0 / norm_type)
+        scale = tf.minimum(1.0, float(max_norm) / (total + 1e-6))
+        for i, g in enumerate(grads):
+            if g is not None:
+                grads[i] = tf.convert_to_tensor(g) * tf.cast(scale, g.dtype)
+        return total
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradients of sharded variables are always reduced in TF (see
+        ``FSDPModule.set_requires_gradient_sync``): the block runs as usual, with a warning."""
+        warnings.warn(
+            "no_sync has no effect in TensorFlow: gradients of sharded variables are always reduced; "
+            "use optimizer(gradient_accumulation_steps=k) to accumulate.", UserWarning, stacklevel=3,
+        )
+        yield
+
+
+def _strategy_args(strategy: ShardingStrategy) -> dict:
+    if strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
+        raise ValueError(
+            f"sharding_strategy={strategy}: hybrid sharding needs the batch sharded over two mesh dims, "
+            "which a TF DTensor layout cannot express; use FULL_SHARD or SHARD_GRAD_OP on one mesh dim."
+        )
+    if strategy == ShardingStrategy.NO_SHARD:  # DDP: every variable replicated, gradients all-reduced
+        return {"reshard_after_forward": False, "shard_placement_fn": _REPLICATE}
+    return {"reshard_after_forward": strategy == ShardingStrategy.FULL_SHARD}
+
+
+def _units(modules, module: Any, policy: Callable | None) -> list[Any]:
+    """The sublayers ``policy`` makes their own unit, children before parents."""
+    if policy is None:
+        return []
+    layers = [layer for _, layer in modules.named_layers(module) if modules.is_built(layer)]
+    grouped: set[int] = set()
+    units = []
+    for layer in reversed(layers[1:]):  # reverse pre-order: every sublayer before its parent
+        own = [v for _, sub in modules.named_layers(layer) if modules.is_built(sub)
+               for v in modules.weights(sub).values() if getattr(v, "trainable", False)]
+        free = [v for v in own if id(v) not in grouped]
+        numel = sum(int(math.prod(v.shape)) for v in free)
+        if free and policy(module=layer, recurse=False, nonwrapped_numel=numel):
+            units.append(layer)
+            grouped |= {id(v) for v in free}
+    return units
+
+
+class FullyShardedDataParallel(metaclass=_FSDP1Meta):
+    """FSDP1: shards ``module`` in place and returns it (see the module docstring).
+
+    Args follow torch.  ``sharding_strategy``: FULL_SHARD (default; full
+    parameters freed after use and gathered again in the backward),
+    SHARD_GRAD_OP (kept until the backward), NO_SHARD (replicated, gradients
+    all-reduced: DDP); the hybrid strategies raise.  ``auto_wrap_policy``
+    chooses sublayers that become their own unit (``ModuleWrapPolicy``,
+    ``size_based_auto_wrap_policy``).  ``device_mesh`` is a 1-D mesh (all
+    devices when None).  ``process_group`` must be None.
+    ``backward_prefetch``, ``forward_prefetch``, ``limit_all_gathers``,
+    ``use_orig_params``, ``device_id``, ``sync_module_states`` and
+    ``param_init_fn`` have no TF meaning and are accepted (weights are
+    initialised once, the same on every client).
+
+    Example::
+
+        model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}))
+        model.compile(optimizer="adam", loss=...); model.fit(x, y)
+    """
+
+    def __new__(
+        cls, module: Any, process_group: Any = None, sharding_strategy: ShardingStrategy | None = None,
+        cpu_offload: CPUOffload | None = None, auto_wrap_policy: Callable | None = None,
+        backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
+        mixed_precision: MixedPrecision | None = None, ignored_modules: Any = None, param_init_fn: Any = None,
+        device_id: Any = None, sync_module_states: bool = False, forward_prefetch: bool = False,
+        limit_all_gathers: bool = True, use_orig_params: bool = False, ignored_states: Any = None,
+        device_mesh: DeviceMesh | None = None,
+    ) -> Any:
+        modules = module_backend(module, "FullyShardedDataParallel")
+        name = modules.layer_name(module)
+        if process_group is not None:
+            raise ValueError(
+                f"FullyShardedDataParallel({name!r}): process_group must be None in tfdist; pass "
+                f"device_mesh (a 1-D DeviceMesh). Received: process_group={process_group!r}"
+            )
+        strategy = sharding_strategy or ShardingStrategy.FULL_SHARD
+        if not isinstance(strategy, ShardingStrategy):
+            raise ValueError(
+                f"FullyShardedDataParallel({name!r}): sharding_strategy must be a ShardingStrategy. "
+                f"Received: {sharding_strategy!r}"
+            )
+        args = _strategy_args(strategy)
+        if cpu_offload is not None and cpu_offload.offload_params:
+            raise NotImplementedError(
+                f"FullyShardedDataParallel({name!r}): CPUOffload(offload_params=True) is not supported: a TF "
+                "DTensor variable lives on its mesh's devices. Use cpu_offload=None."
+            )
+        if isinstance(module, FSDPModule):
+            raise ValueError(f"FullyShardedDataParallel({name!r}): the module is already sharded with FSDP.")
+        ignored = [v for m in (ignored_modules or ()) for v in modules.variables(m)]
+        ignored += list(ignored_states or ())
+        mp = mixed_precision or MixedPrecision()
+        units = _units(modules, module, auto_wrap_policy)
+        for unit in units:
+            fully_shard(unit, mesh=device_mesh, mp_policy=mp.policy, ignored_params=ignored, **args)
+        fully_shard(module, mesh=device_mesh, mp_policy=mp.root_policy, ignored_params=ignored, **args)
+        for layer in units + [module]:
+            layer.__class__ = fsdp_class(type(layer), (_FSDP1Methods,))
+            layer._tfdist_fsdp1_root = layer is module
+        return module
+
+    @staticmethod
+    @contextlib.contextmanager
+    def summon_full_params(
+        module: Any, recurse: bool = True, writeback: bool = True, rank0_only: bool = False,
+        offload_to_cpu: bool = False, with_grads: bool = False,
+    ) -> Iterator[None]:
+        """Full parameters for inspection or change.
+
+        A sharded TF DTensor variable already reads as its full (global)
+        value everywhere -- ``layer.kernel.numpy()`` and ``assign`` work on
+        the whole array -- so inside the block nothing needs gathering.
+        ``writeback=False`` restores the parameters on exit.  ``with_grads``
+        raises (Keras keeps no gradients on variables);
+        ``rank0_only=True`` with ``writeback=True`` raises, as in torch.
+
+        Example::
+
+            with FullyShardedDataParallel.summon_full_params(model, writeback=False):
+                model.layers[0].kernel.assign(np.zeros((16, 32)))   # undone on exit
+        """
+        if rank0_only and writeback:
+            raise ValueError("summon_full_params: rank0_only=True with writeback=True is not supported (as in torch).")
+        if with_grads:
+            raise ValueError("summon_full_params(with_grads=True): Keras variables keep no gradients.")
+        modules = module_backend(module, "summon_full_params")
+        variables = [v for v in modules.variables(module) if getattr(v, "trainable", False)]
+        saved = None if writeback else [tf.identity(modules.stored_value(v)) for v in variables]
+        try:
+            yield
+        finally:
+            if saved is not None:
+                for variable, value in zip(variables, saved):
+                    variable.assign(value)
