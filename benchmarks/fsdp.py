@@ -7,6 +7,7 @@ batch, all computing the same first-step loss:
 * ``fsdp``: fully_shard on every layer and the model (reshard_after_forward=True);
 * ``fsdp-keep``: the same with reshard_after_forward=False;
 * ``tfdist-dp``: replicated weights, batch split (keras.distribution.DataParallel on tfdist);
+* ``tfdist-dp + ZeRO``: the same with ``tfdist.optim.ZeroRedundancyOptimizer`` (Adam state sharded);
 * ``mirrored``: Keras ``model.fit`` machinery under ``tf.distribute.MirroredStrategy``.
 
 Measured:
@@ -44,6 +45,7 @@ from tensorflow.experimental import dtensor  # noqa: E402
 
 from _common import executed_collective_bytes, print_table, write_results  # noqa: E402
 from tfdist.fsdp import fully_shard  # noqa: E402
+from tfdist.optim import ZeroRedundancyOptimizer  # noqa: E402
 
 DIM, DEPTH, BATCH, ROUNDS = 1024, 4, 64, 5
 RNG = np.random.default_rng(0)
@@ -205,7 +207,17 @@ def main() -> None:
         model._tfdist_bench_scope = distribution
         return model
 
+    def zero():
+        distribution = keras.distribution.DataParallel(devices=[f"CPU:{i}" for i in range(8)])
+        with distribution.scope():
+            model = make_model()
+            model.compile(optimizer=ZeroRedundancyOptimizer(None, keras.optimizers.Adam, learning_rate=1e-3),
+                          loss="mse")
+        model._tfdist_bench_scope = distribution
+        return model
+
     programs["tfdist-dp"] = data_parallel
+    programs["tfdist-dp + ZeRO"] = zero
     models = {name: make() for name, make in programs.items()}
     mirrored = MirroredWorker()
     models["mirrored"] = mirrored
@@ -243,12 +255,17 @@ def main() -> None:
                 peaks[name] = peak_step_bytes(model)
     sent = {name: sent_bytes(programs[name]()) for name in ("fsdp", "fsdp-keep")}
     base = statistics.median(times["mirrored"])
+    held = {name: sum(local_bytes(v) for v in m.trainable_variables + list(m.optimizer.variables))
+            for name, m in models.items() if name != "mirrored"}
+    held_mirrored = held["tfdist-dp"]  # a full copy of parameters and Adam state per device
     timing = []
     for name in models:
         ms = statistics.median(times[name])
         timing.append({
             "program": name, "first loss": round(first[name], 6), "step ms": round(ms, 1),
-            "vs mirrored": round(ms / base, 3), "peak MB / device": round(peaks[name] / 8 / 1e6, 2),
+            "vs mirrored": round(ms / base, 3),
+            "params+state MB / device": round(held.get(name, held_mirrored) / 1e6, 2),
+            "peak MB / device": round(peaks[name] / 8 / 1e6, 2),
             "MB sent / device": round(sent[name] / 1e6, 2) if name in sent else "",
             "sent / torch 3(N-1)/N P": round(sent[name] / (3 * 7 / 8 * param_bytes), 3) if name in sent else "",
         })

@@ -6,7 +6,9 @@
   no layout for ``ResourceScatterAdd``, and the dense form is textbook Adam
   (Keras 3's sparse Adam squares each repeated row separately, see
   docs/tf_dtensor_repros/keras3_adam_duplicate_indexed_slices.py).
-* Slot variables (Adam moments, ...) take the layout of their parameter.
+* Slot variables (Adam moments, ...) take the layout of their parameter, or
+  the one the optimizer's ``_tfdist_slot_layout(layout, shape)`` gives
+  (``tfdist.optim.ZeroRedundancyOptimizer`` shards them over data parallel).
 """
 
 from __future__ import annotations
@@ -63,6 +65,9 @@ def install() -> None:
         layout = None
         if isinstance(inner, dtensor.DVariable):
             layout = _variables.layout_of(inner)
+            slot_layout = getattr(self, "_tfdist_slot_layout", None)  # ZeroRedundancyOptimizer
+            if slot_layout is not None:
+                layout = slot_layout(layout, tuple(reference_variable.shape))
         with _variables.layout_scope(layout):
             return original_from_reference(self, reference_variable, name=name, initializer=initializer)
 

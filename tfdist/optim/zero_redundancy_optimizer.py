@@ -1,0 +1,127 @@
+"""ZeroRedundancyOptimizer (torch.distributed.optim.ZeroRedundancyOptimizer) for Keras 3.
+
+Data parallel keeps every parameter whole on every device; this optimizer
+shards its *state* (Adam's moments...) over the data-parallel mesh dim, so
+each device holds 1/N of it (ZeRO stage 1).  The gradient arrives whole
+(data parallel's all-reduce), each device updates the state of its shard,
+and the parameter update is all-gathered back to the whole parameter.
+
+torch partitions whole parameters among ranks and broadcasts each updated
+parameter from its owner; here every state tensor is split by elements on
+its first dim that divides evenly (balanced whatever the parameter sizes),
+and the update is one all-gather per parameter -- the same bytes as the
+broadcasts.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import numpy as np
+from tensorflow.experimental import dtensor
+
+from tfdist.device_mesh import DeviceMesh
+from tfdist.tensor._modules import module_backend
+
+__all__ = ["ZeroRedundancyOptimizer"]
+
+
+def _sharded_slot_layout(dp: str | None):
+    """``(parameter layout, shape) -> slot layout``: ``dp`` added on the first free dim that divides."""
+
+    def layout(param_layout: dtensor.Layout, shape: tuple[int, ...]) -> dtensor.Layout:
+        mesh = param_layout.mesh
+        name = dp or mesh.dim_names[0]
+        specs = list(param_layout.sharding_specs)
+        if name not in mesh.dim_names or name in specs:
+            return param_layout
+        size = mesh.dim_size(name)
+        for d, n in enumerate(shape):
+            if specs[d] == dtensor.UNSHARDED and n % size == 0 and n >= size:
+                specs[d] = name
+                return dtensor.Layout(specs, mesh)
+        return param_layout  # nothing divides: this slot stays whole
+
+    return layout
+
+
+class ZeroRedundancyOptimizer:
+    """A Keras optimizer of ``optimizer_class`` whose state is sharded over data parallel.
+
+    Args:
+        params: accepted for torch compatibility (Keras optimizers receive
+            their variables when they build); may be None.
+        optimizer_class: a Keras optimizer class, e.g. ``keras.optimizers.Adam``.
+        process_group: must be None.
+        parameters_as_bucket_view, overlap_with_ddp: accepted; no TF meaning.
+        mesh: the data-parallel mesh dim's mesh (``mesh["dp"]`` or a 1-D
+            mesh); None: the first dim of the parameters' mesh (the batch
+            dim of ``keras.distribution.DataParallel``).
+        **defaults: the optimizer's arguments (``learning_rate=...``).
+
+    Returns an instance of ``ZeroRedundancy<Name>``, a subclass of
+    ``optimizer_class``, usable in ``model.compile``.
+
+    Example::
+
+        opt = ZeroRedundancyOptimizer(model.trainable_variables, keras.optimizers.Adam, learning_rate=1e-3)
+        model.compile(optimizer=opt, loss="mse")
+    """
+
+    def __new__(
+        cls, params: Iterable[Any] | None = None, optimizer_class: type | None = None, process_group: Any = None,
+        parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False,
+        mesh: DeviceMesh | None = None, **defaults: Any,
+    ) -> Any:
+        if not isinstance(optimizer_class, type) or not hasattr(optimizer_class, "apply_gradients"):
+            raise ValueError(
+                "ZeroRedundancyOptimizer(optimizer_class=...) must be a Keras optimizer class such as "
+                f"keras.optimizers.Adam. Received: {optimizer_class!r}"
+            )
+        if process_group is not None:
+            raise ValueError(
+                f"ZeroRedundancyOptimizer: process_group must be None (pass mesh). Received: {process_group!r}"
+            )
+        if mesh is not None and mesh.ndim != 1:
+            raise ValueError(
+                f"ZeroRedundancyOptimizer(mesh=...) must be 1-D (mesh['dp']). Received: {mesh.ndim} dims"
+            )
+        dp = None if mesh is None else mesh.root_mesh.axis_names[mesh.root_dims[0]]
+        subclass = _zero_class(optimizer_class)
+        optimizer = subclass(**defaults)
+        module_backend(optimizer, "ZeroRedundancyOptimizer")  # loads tfdist's Keras integration
+        optimizer._tfdist_slot_layout = _sharded_slot_layout(dp)
+        return optimizer
+
+
+_CLASSES: dict[type, type] = {}
+
+
+class _ZeroMethods:
+    """torch's ZeroRedundancyOptimizer methods on the Keras optimizer."""
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Nothing to collect ahead: ``state_dict()`` reads every shard (a sharded TF DTensor
+        variable reads as its whole value)."""
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """The whole optimizer state, by variable path (gathered)."""
+        return {v.path: np.asarray(v.numpy()) for v in self.variables}
+
+    def load_state_dict(self, state_dict: dict[str, np.ndarray]) -> None:
+        """Assigns a ``state_dict()`` back (each value is laid out as its variable)."""
+        own = {v.path: v for v in self.variables}
+        missing = sorted(set(own) - set(state_dict))
+        if missing:
+            raise ValueError(f"load_state_dict: the state_dict lacks {missing[:3]}{'...' if len(missing) > 3 else ''}")
+        for path, variable in own.items():
+            variable.assign(state_dict[path])
+
+
+def _zero_class(optimizer_class: type) -> type:
+    if optimizer_class not in _CLASSES:
+        _CLASSES[optimizer_class] = type(
+            f"ZeroRedundancy{optimizer_class.__name__}", (_ZeroMethods, optimizer_class),
+            {"__module__": optimizer_class.__module__},
+        )
+    return _CLASSES[optimizer_class]
