@@ -313,3 +313,27 @@ def test_gradient_accumulation_equals_one_large_batch(float64):
     assert max_weight_diff(ref, model) < 1e-12
     with pytest.warns(UserWarning, match="always reduced"):
         model.set_requires_gradient_sync(False)
+
+
+def test_cpu_offload_limitation_reproduces():
+    """The reason CPUOffloadPolicy is refused, run as a script: a sharded DTensor cannot cross meshes."""
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).parents[2] / "docs" / "tf_dtensor_repros" / "cross_mesh_sharded_copy.py"
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stdout + out.stderr[-2000:]
+    assert "replicated copy to the host mesh" in out.stdout and "sharded copy to the host mesh fails" in out.stdout
+
+
+def test_hsdp_limitation_reproduces():
+    """The reason a 2-D (replicate, shard) mesh is refused, run as a script."""
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).parents[2] / "docs" / "tf_dtensor_repros" / "hsdp_batch_two_mesh_dims.py"
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stdout + out.stderr[-2000:]
+    assert out.stdout.count("refused") == 2

@@ -162,7 +162,8 @@ def _check_args(module: Any, mesh: DeviceMesh, reshard_after_forward: Any, mp_po
             f"mesh['dp'] of a 2-D dp x tp mesh composes with tensor parallel). Received: a mesh with "
             f"{mesh.ndim} dims {mesh.axis_names}. HSDP's 2-D (replicate, shard) mesh needs the batch "
             "sharded over two mesh dims, which a TF DTensor layout cannot express (one mesh dim per "
-            "tensor dim); use a 1-D mesh over all data-parallel devices."
+            "tensor dim: docs/tf_dtensor_repros/hsdp_batch_two_mesh_dims.py); use a 1-D mesh over all "
+            "data-parallel devices."
         )
     if not isinstance(reshard_after_forward, (bool, int)):
         raise ValueError(
@@ -180,9 +181,9 @@ def _check_args(module: Any, mesh: DeviceMesh, reshard_after_forward: Any, mp_po
         )
     if isinstance(offload_policy, CPUOffloadPolicy):
         raise NotImplementedError(
-            f"fully_shard({path!r}): CPUOffloadPolicy is not supported yet: a TF DTensor variable lives "
-            "on the mesh's devices, and a host copy of a sharded variable needs a host mesh of the same "
-            "shape. Use OffloadPolicy()."
+            f"fully_shard({path!r}): CPUOffloadPolicy is not supported: the shards would live on a host "
+            "mesh, and TF DTensor 2.21 cannot copy a sharded tensor between meshes (only a replicated "
+            "one; docs/tf_dtensor_repros/cross_mesh_sharded_copy.py). Use OffloadPolicy()."
         )
     if isinstance(module, FSDPModule):
         raise ValueError(
