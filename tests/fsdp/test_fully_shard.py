@@ -337,3 +337,34 @@ def test_hsdp_limitation_reproduces():
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 1, out.stdout + out.stderr[-2000:]
     assert out.stdout.count("refused") == 2
+
+
+def test_embedding_gradient_is_reduce_scattered():
+    """Embedding -> Dense: the table's gradient is each device's one-hot product, reduce-scattered
+    (an all-to-all), not TF's all-reduce of the whole table; values equal one device."""
+    def make():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([keras.Input((S,), dtype="int32"), keras.layers.Embedding(V, 16),
+                                 keras.layers.Dense(8)])
+
+    model = make()
+    fully_shard(model, mesh=dp_mesh())
+    ids = tf.constant(IDS[:16])
+
+    @tf.function
+    def grads(ids):
+        with tf.GradientTape() as tape:
+            y = model(ids)
+            loss = tf.reduce_sum(y * y)
+        return tape.gradient(loss, model.trainable_variables)
+
+    with CommDebugMode() as comm:
+        got = grads(ids)
+    counts = comm.get_comm_counts()
+    assert "all_reduce" not in counts and counts.get("all_to_all_single") == 3, counts
+    ref = make()
+    with tf.GradientTape() as tape:
+        y = ref(ids)
+        loss = tf.reduce_sum(y * y)
+    for a, b in zip(tape.gradient(loss, ref.trainable_variables), got):
+        np.testing.assert_allclose(gather_to_numpy(b), tf.convert_to_tensor(a).numpy(), rtol=1e-5, atol=1e-5)

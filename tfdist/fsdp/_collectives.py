@@ -24,7 +24,9 @@ from tensorflow.experimental import dtensor
 
 from tfdist.tensor._redistribute import _move_mesh_dim, relayout
 
-__all__ = ["ShardedParam", "gather", "gathered_with_sliced_grad", "sharded_einsum"]
+__all__ = [
+    "ShardedParam", "gather", "gathered_with_sliced_grad", "sharded_einsum", "sharded_lookup", "sharded_call",
+]
 
 UNSHARDED = dtensor.UNSHARDED
 
@@ -255,3 +257,125 @@ def _bias_grad(
     specs = [param.dp] + list(param.full_layout.sharding_specs)
     stacked = dtensor.relayout(stacked, dtensor.Layout(specs, mesh))
     return _reduce_scatter_stacked(stacked, specs, param, value.dtype)
+
+
+def sharded_lookup(
+    ids: tf.Tensor, table: tf.Tensor, param: ShardedParam, *, batch_sharded: bool,
+    compute_dtype: tf.DType | None, reduce_dtype: tf.DType | None,
+) -> tf.Tensor:
+    """Rows of the all-gathered ``table`` ``[V, D]`` for ``ids`` (batch on dp), FSDP's backward.
+
+    TF's gradient of the gather sums the rows over the batch shards with an
+    all-reduce of the whole ``[V, D]`` table.  Here each device's own rows
+    are a product with its one-hot ids (``[k, V]`` for its ``k`` ids,
+    backward only): a stacked ``[N, V, D]`` Partial, reduce-scattered onto the
+    shard.  The backward does not need the table, so the forward's gathered
+    copy is freed after the lookup.
+    """
+    mesh, dp = param.shard_layout.mesh, param.dp
+    parts = mesh.dim_size(dp)
+    rank = ids.shape.rank
+    ids_specs = [dp if batch_sharded else UNSHARDED] + [UNSHARDED] * (rank - 1)
+    ids = dtensor.relayout(tf.cast(ids, tf.int32), dtensor.Layout(ids_specs, mesh))
+    table_specs = list(param.full_layout.sharding_specs)
+    out_specs = ids_specs + table_specs[1:]
+    dtype = compute_dtype or table.dtype
+    vocab = int(table.shape[0])
+    lead = "abcefghijlmnopqrsuwxyz"[:rank]
+
+    @tf.custom_gradient
+    def lookup(table):
+        with tf.control_dependencies([ids] if tf.inside_function() else []):
+            full = gather(table, param, dtype)
+        y = dtensor.relayout(tf.gather(full, ids), dtensor.Layout(out_specs, mesh))
+
+        def grad(dy):
+            rdtype = reduce_dtype or dtype
+            dy = dtensor.relayout(tf.cast(dy, rdtype), dtensor.Layout(out_specs, mesh))
+            if not batch_sharded:
+                one_hot = tf.one_hot(ids, vocab, dtype=rdtype)
+                return _scatter_grad(tf.einsum(f"{lead}v,{lead}d->vd", one_hot, dy), param, table.dtype)
+            ids_s = _split_batch(ids, ids_specs, parts, mesh)
+            dys = _split_batch(dy, out_specs, parts, mesh)
+            one_hot = dtensor.relayout(
+                tf.one_hot(ids_s, vocab, dtype=rdtype), dtensor.Layout([dp] + [UNSHARDED] * (rank + 1), mesh)
+            )
+            split = "t" + lead
+            stacked_specs = [dp] + table_specs
+            stacked = dtensor.relayout(
+                tf.einsum(f"{split}v,{split}d->tvd", one_hot, dys), dtensor.Layout(stacked_specs, mesh)
+            )
+            return _reduce_scatter_stacked(stacked, stacked_specs, param, table.dtype)
+
+        return y, grad
+
+    return lookup(table)
+
+
+def _merge_batch(xs: tf.Tensor, specs: list[str], mesh: dtensor.Mesh) -> tf.Tensor:
+    """``[parts, B/parts, ...]`` -> ``[B, ...]`` (the inverse of ``_split_batch``): local."""
+    shape = tf.unstack(tf.shape(xs)) if None in xs.shape.as_list() else xs.shape.as_list()
+    return dtensor.relayout(tf.reshape(xs, [shape[0] * shape[1]] + list(shape[2:])), dtensor.Layout(specs, mesh))
+
+
+def sharded_call(
+    fn: Callable[[tf.Tensor, list[tf.Tensor]], tf.Tensor], x: tf.Tensor, shards: list[tf.Tensor],
+    params: list[ShardedParam], *, batch_sharded: bool, dtype: tf.DType | None,
+) -> tf.Tensor:
+    """``fn(x, all_gathered(shards))`` for a layer of one input with any computation, FSDP's backward.
+
+    The backward recomputes ``fn`` per data-parallel shard, vectorised over
+    the split batch (``tf.vectorized_map``) with each device's own copy of
+    the full parameters, so each weight gradient comes out as the stacked
+    per-device partial and is reduce-scattered -- where TF's own gradient
+    would all-reduce it.  Meant for small layers (norms): the forward is
+    recomputed in the backward and the copies are ``N`` x the parameters.
+    """
+    param0 = params[0]
+    mesh, dp = param0.shard_layout.mesh, param0.dp
+    parts = mesh.dim_size(dp)
+    rank = x.shape.rank
+    x_specs = [dp if batch_sharded else UNSHARDED] + [UNSHARDED] * (rank - 1)
+    x = dtensor.relayout(x, dtensor.Layout(x_specs, mesh))
+
+    @tf.custom_gradient
+    def run(x, *shards):
+        with tf.control_dependencies([x] if tf.inside_function() else []):
+            fulls = [gather(s, p, dtype) for s, p in zip(shards, params)]
+        y = fn(x, fulls)
+        y_specs = [dp if batch_sharded else UNSHARDED] + [UNSHARDED] * (y.shape.rank - 1)
+        y = dtensor.relayout(y, dtensor.Layout(y_specs, mesh))
+
+        def grad(dy):
+            dy = dtensor.relayout(tf.cast(dy, y.dtype), dtensor.Layout(y_specs, mesh))
+            if not batch_sharded:
+                with tf.GradientTape() as tape:
+                    tape.watch([x] + fulls)
+                    again = fn(x, fulls)
+                grads = tape.gradient(again, [x] + fulls, dy)
+                return (grads[0],) + tuple(_scatter_grad(g, p, s.dtype) for g, p, s in zip(grads[1:], params, shards))
+            xs, dys = _split_batch(x, x_specs, parts, mesh), _split_batch(dy, y_specs, parts, mesh)
+            copies = []
+            for full, p in zip(fulls, params):  # each device's own copy of the full parameter
+                stacked = tf.broadcast_to(tf.expand_dims(full, 0), [parts] + full.shape.as_list())
+                specs = [dp] + list(p.full_layout.sharding_specs)
+                copies.append(dtensor.relayout(stacked, dtensor.Layout(specs, mesh)))
+
+            def per_shard(args):
+                x_i, dy_i, *w_i = args
+                with tf.GradientTape() as tape:
+                    tape.watch([x_i] + w_i)
+                    y_i = fn(x_i, w_i)
+                return tape.gradient(y_i, [x_i] + w_i, dy_i)
+
+            outs = tf.vectorized_map(per_shard, (xs, dys, *copies))
+            dx = _merge_batch(outs[0], x_specs, mesh)
+            dws = []
+            for g, p, s in zip(outs[1:], params, shards):
+                specs = [dp] + list(p.full_layout.sharding_specs)
+                dws.append(_reduce_scatter_stacked(dtensor.relayout(g, dtensor.Layout(specs, mesh)), specs, p, s.dtype))
+            return (dx,) + tuple(dws)
+
+        return y, grad
+
+    return run(x, *shards)

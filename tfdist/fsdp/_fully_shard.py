@@ -27,7 +27,9 @@ from tensorflow.experimental import dtensor
 
 from tfdist import _runtime
 from tfdist.device_mesh import DeviceMesh, _mesh_stack, init_device_mesh
-from tfdist.fsdp._collectives import ShardedParam, gathered_with_sliced_grad, sharded_einsum
+from tfdist.fsdp._collectives import (
+    ShardedParam, gathered_with_sliced_grad, sharded_call, sharded_einsum, sharded_lookup,
+)
 from tfdist.fsdp._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from tfdist.tensor._modules import ModuleBackend, module_backend, replicate_unplaced
 from tfdist.tensor.parallel.style import as_tf, batch_replicated, on_mesh
@@ -333,7 +335,11 @@ def _hook_layers(modules: ModuleBackend, plans: list, state: _FSDPState) -> None
     for layer, name, variable, param in plans:
         by_layer.setdefault(id(layer), (layer, {}))[1][name] = (variable, param)
     for layer, params in by_layer.values():
-        if _einsum_form(modules, layer, params) is not None:
+        if _is_plain_lookup(modules, layer, params):
+            modules.replace_inner_call(layer, _sharded_lookup_call(modules, layer, params, state))
+        elif modules.layer_kind(layer).kind == "norm" and not modules.call_replaced(layer):
+            modules.replace_inner_call(layer, _sharded_norm_call(modules, layer, params, state))
+        elif _einsum_form(modules, layer, params) is not None:
             modules.replace_inner_call(layer, _sharded_product_call(modules, layer, params, state))
         elif modules.call_replaced(layer):  # a tensor-parallel product reads the weights itself
             modules.replace_call(layer, _gathered_call(modules, params, state))
@@ -381,7 +387,7 @@ def _sharded_product_call(modules: ModuleBackend, layer: Any, params: dict, stat
         bias_arg = None if bias is None else (modules.stored_value(bias[0]), bias[1], letters)
         y = sharded_einsum(
             equation, x, modules.stored_value(kernel_var), kernel_param,
-            batch_sharded=not batch_replicated() and x.shape.rank > 1 and x.shape[0] != 1,
+            batch_sharded=_batch_splits(x, kernel_param),
             compute_dtype=compute, reduce_dtype=state.mp.reduce_dtype,
             regather=(lambda: modules.stored_value(kernel_var)) if state.regather_in_backward else None,
             bias=bias_arg,
@@ -391,6 +397,64 @@ def _sharded_product_call(modules: ModuleBackend, layer: Any, params: dict, stat
             y = _scale_grad(y, 1.0 / state.divide_factor)
         activation = getattr(layer, "activation", None)
         return activation(y) if activation is not None else y
+
+    return call
+
+
+def _batch_splits(x: tf.Tensor, param: ShardedParam) -> bool:
+    """The batch (dim 0) is sharded over dp: not inside ``replicated_batch()`` and it divides evenly."""
+    if batch_replicated() or x.shape.rank < 1:
+        return False
+    n = x.shape[0]
+    return n is None or n % param.shard_layout.mesh.dim_size(param.dp) == 0
+
+
+def _is_plain_lookup(modules: ModuleBackend, layer: Any, params: dict) -> bool:
+    """An Embedding FSDP can look up itself (no LoRA, not quantized, a 2-D table)."""
+    if modules.call_replaced(layer) or getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
+        return False
+    return modules.layer_kind(layer).kind == "embedding" and set(params) == {"embeddings"} and len(
+        params["embeddings"][0].shape) == 2
+
+
+def _sharded_lookup_call(modules: ModuleBackend, layer: Any, params: dict, state: _FSDPState) -> Callable:
+    table_var, table_param = params["embeddings"]
+
+    def call(original, inputs, *args, **kwargs):
+        ids = as_tf(inputs)
+        if modules.is_symbolic(ids) or not isinstance(ids, tf.Tensor) or ids.shape.rank == 0:
+            return original(inputs, *args, **kwargs)
+        ids = on_mesh(ids, state.mesh.root_mesh.to_tf())
+        y = sharded_lookup(
+            ids, modules.stored_value(table_var), table_param,
+            batch_sharded=_batch_splits(ids, table_param),
+            compute_dtype=state.mp.param_dtype, reduce_dtype=state.mp.reduce_dtype,
+        )
+        return tf.cast(y, layer.compute_dtype)
+
+    return call
+
+
+def _sharded_norm_call(modules: ModuleBackend, layer: Any, params: dict, state: _FSDPState) -> Callable:
+    """A norm layer's own computation, run by ``sharded_call`` (its gradients reduce-scattered)."""
+    pairs = list(params.values())
+
+    def call(original, inputs, *args, **kwargs):
+        x = as_tf(inputs)
+        if modules.is_symbolic(x) or not isinstance(x, tf.Tensor) or args or kwargs:
+            return _gathered_call(modules, params, state)(original, inputs, *args, **kwargs)
+        x = on_mesh(x, state.mesh.root_mesh.to_tf())
+        variables = [v for v, _ in pairs]
+
+        def fn(x, fulls):
+            values = [(v, tf.cast(f, v.dtype)) for v, f in zip(variables, fulls)]
+            with modules.read_as(values):
+                return original(x)
+
+        return sharded_call(
+            fn, x, [modules.stored_value(v) for v in variables], [p for _, p in pairs],
+            batch_sharded=_batch_splits(x, pairs[0][1]), dtype=state.mp.param_dtype,
+        )
 
     return call
 
