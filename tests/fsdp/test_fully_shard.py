@@ -368,3 +368,44 @@ def test_embedding_gradient_is_reduce_scattered():
         loss = tf.reduce_sum(y * y)
     for a, b in zip(tape.gradient(loss, ref.trainable_variables), got):
         np.testing.assert_allclose(gather_to_numpy(b), tf.convert_to_tensor(a).numpy(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("with_tp", [False, True], ids=["fsdp", "fsdp+tp"])
+def test_layout_map_fsdp_style_trains_like_one_device(float64, with_tp):
+    """FSDPStyle as a tfdist.keras.LayoutMap value under keras.distribution.ModelParallel."""
+    import tfdist.keras as tk
+    from tfdist.fsdp import FSDPStyle
+    from tfdist.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    ref = make_mlp()
+    ref_loss = fit(ref, X[:48], Y[:48], "mse")
+    mesh = keras.distribution.DeviceMesh((2, 4) if with_tp else (8, 1), ["batch", "model"])
+    layout_map = tk.LayoutMap(mesh)
+    layout_map[".*up/.*"] = FSDPStyle(tp_style=ColwiseParallel() if with_tp else None)
+    layout_map[".*down/.*"] = FSDPStyle(tp_style=RowwiseParallel() if with_tp else None)
+    layout_map[".*norm/.*"] = FSDPStyle()
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map,
+                                                                         batch_dim_name="batch"))
+    model = make_mlp()
+    up = model.get_layer("up").kernel
+    assert local_shape(up) == ((8, 8) if with_tp else (2, 32))  # (dp on in, tp on out) / dp on in
+    loss = fit(model, X[:48], Y[:48], "mse")
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    assert max_weight_diff(ref, model) < 1e-12
+    x = tf.constant(X[:16])
+
+    @tf.function
+    def grads(x):
+        with tf.GradientTape() as tape:
+            y = model(x)
+            loss = tf.reduce_sum(y * y)
+        return tape.gradient(loss, model.trainable_variables)
+
+    with CommDebugMode() as comm:
+        grads(x)
+    counts = comm.get_comm_counts()
+    # gathers before use, reduce-scatters (all-to-all) of the sharded gradients; with tp the
+    # row-parallel product's all-reduce over tp is the tensor-parallel one
+    assert counts.get("all_gather_into_tensor", 0) >= 4 and counts.get("all_to_all_single", 0) >= 3, counts
+    if not with_tp:
+        assert counts.get("all_reduce", 0) <= 1, counts  # the 3-element bias, kept whole

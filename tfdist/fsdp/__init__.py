@@ -13,12 +13,15 @@ from tfdist.fsdp._fsdp1 import (
     MixedPrecision,
     ShardingStrategy,
 )
-from tfdist.fsdp._fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from tfdist.fsdp._fully_shard import (
+    FSDPModule, FSDPStyle, UnshardHandle, fully_shard, register_fsdp_forward_method,
+)
 from tfdist.fsdp._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = [
     "fully_shard",
     "FSDPModule",
+    "FSDPStyle",
     "UnshardHandle",
     "register_fsdp_forward_method",
     "MixedPrecisionPolicy",

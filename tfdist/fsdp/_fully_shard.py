@@ -35,7 +35,7 @@ from tfdist.tensor._modules import ModuleBackend, module_backend, replicate_unpl
 from tfdist.tensor.parallel.style import as_tf, batch_replicated, on_mesh
 from tfdist.tensor.placement_types import Shard
 
-__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
+__all__ = ["fully_shard", "FSDPModule", "FSDPStyle", "UnshardHandle", "register_fsdp_forward_method"]
 
 
 class UnshardHandle:
@@ -236,6 +236,11 @@ def _shard_dim(variable: Any, specs: list[str], size: int, fn: Callable | None, 
                     f"over {size} devices (already sharded on {specs[d]!r} or not divisible)."
                 )
             return d
+    return _shard_dim_of(shape, specs, size)
+
+
+def _shard_dim_of(shape: tuple[int, ...], specs: list[str], size: int) -> int | None:
+    """The first dim not sharded yet whose size divides evenly by ``size``."""
     for d, n in enumerate(shape):
         if specs[d] == dtensor.UNSHARDED and n % size == 0 and n >= size:
             return d
@@ -335,16 +340,94 @@ def _hook_layers(modules: ModuleBackend, plans: list, state: _FSDPState) -> None
     for layer, name, variable, param in plans:
         by_layer.setdefault(id(layer), (layer, {}))[1][name] = (variable, param)
     for layer, params in by_layer.values():
-        if _is_plain_lookup(modules, layer, params):
-            modules.replace_inner_call(layer, _sharded_lookup_call(modules, layer, params, state))
-        elif modules.layer_kind(layer).kind == "norm" and not modules.call_replaced(layer):
-            modules.replace_inner_call(layer, _sharded_norm_call(modules, layer, params, state))
-        elif _einsum_form(modules, layer, params) is not None:
-            modules.replace_inner_call(layer, _sharded_product_call(modules, layer, params, state))
-        elif modules.call_replaced(layer):  # a tensor-parallel product reads the weights itself
-            modules.replace_call(layer, _gathered_call(modules, params, state))
-        else:
-            modules.replace_inner_call(layer, _gathered_call(modules, params, state))
+        call, inner = _layer_call(modules, layer, params, state)
+        (modules.replace_inner_call if inner else modules.replace_call)(layer, call)
+
+
+def _layer_call(modules: ModuleBackend, layer: Any, params: dict, state: _FSDPState) -> tuple[Callable, bool]:
+    """The FSDP computation for ``layer`` and whether it replaces the innermost call."""
+    if _is_plain_lookup(modules, layer, params):
+        return _sharded_lookup_call(modules, layer, params, state), True
+    if modules.layer_kind(layer).kind == "norm" and not modules.call_replaced(layer):
+        return _sharded_norm_call(modules, layer, params, state), True
+    if _einsum_form(modules, layer, params) is not None:
+        return _sharded_product_call(modules, layer, params, state), True
+    # a tensor-parallel product that reads the weights itself is wrapped from outside
+    return _gathered_call(modules, params, state), not modules.call_replaced(layer)
+
+
+class FSDPStyle:
+    """``fully_shard`` as a layout-map value (``tfdist.keras.LayoutMap``).
+
+    A variable whose path matches is stored sharded over the map's
+    data-parallel mesh dim (``dim_name``; default: the mesh's first dim) on
+    its first dim that divides evenly -- after ``tp_style``'s placement on
+    the tensor-parallel dim, if given -- and its layer gathers and
+    reduce-scatters as under ``fully_shard`` from its first call on.
+
+    Example::
+
+        layout_map = tfdist.keras.LayoutMap(mesh)          # mesh ("batch", "model")
+        layout_map[".*mlp.*"] = FSDPStyle(tp_style=ColwiseParallel())
+        layout_map[".*"] = FSDPStyle()
+        keras.distribution.set_distribution(
+            keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch"))
+    """
+
+    def __init__(
+        self, *, reshard_after_forward: bool = True, mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+        tp_style: Any = None, dim_name: str | None = None,
+    ) -> None:
+        if not isinstance(reshard_after_forward, (bool, int)):
+            raise ValueError(f"FSDPStyle: reshard_after_forward must be a bool. Received: {reshard_after_forward!r}")
+        if not isinstance(mp_policy, MixedPrecisionPolicy):
+            raise ValueError(f"FSDPStyle: mp_policy must be a MixedPrecisionPolicy. Received: {mp_policy!r}")
+        self.reshard_after_forward, self.mp_policy = bool(reshard_after_forward), mp_policy
+        self.tp_style, self.dim_name = tp_style, dim_name
+
+    def __repr__(self) -> str:
+        return f"FSDPStyle(tp_style={self.tp_style!r}, dim_name={self.dim_name!r})"
+
+    def shard_dim(self, shape: tuple[int, ...], specs: list[str], size: int) -> int | None:
+        """The dim the data-parallel mesh dim shards (None: none divides evenly)."""
+        return _shard_dim_of(shape, specs, size)
+
+    def attach(self, modules: ModuleBackend, layer: Any, mesh: DeviceMesh) -> None:
+        """From its first call on, ``layer`` gathers its dp-sharded variables (``mesh``: the dp slice)."""
+        if getattr(layer, "_tfdist_fsdp_style", None) is not None:
+            return
+        layer._tfdist_fsdp_style = self
+        state = _FSDPState(mesh, self.reshard_after_forward, self.mp_policy, OffloadPolicy())
+        dp = mesh.root_mesh.axis_names[mesh.root_dims[0]]
+        ready: list[Callable] = []
+
+        def call(original, *args, **kwargs):
+            if not ready:
+                params = _params_sharded_on(modules, layer, dp)
+                ready.append(_layer_call(modules, layer, params, state)[0] if params else None)
+            if ready[0] is None:
+                return original(*args, **kwargs)
+            return ready[0](original, *args, **kwargs)
+
+        modules.replace_inner_call(layer, call)
+
+
+def _params_sharded_on(modules: ModuleBackend, layer: Any, dp: str) -> dict[str, tuple[Any, ShardedParam]]:
+    """The layer's trainable variables and how to gather them, when one of them is sharded on ``dp``
+    (a variable no dim of which divides stays whole: a parameter of dim None)."""
+    out, any_sharded = {}, False
+    for name, variable in modules.weights(layer).items():
+        layout = modules.variable_layout(variable)
+        if layout is None or not getattr(variable, "trainable", False):
+            continue
+        specs = list(layout.sharding_specs)
+        d = specs.index(dp) if dp in specs else None
+        any_sharded |= d is not None
+        full = list(specs)
+        if d is not None:
+            full[d] = dtensor.UNSHARDED
+        out[name] = (variable, ShardedParam(layout, dtensor.Layout(full, layout.mesh), d, dp))
+    return out if any_sharded else {}
 
 
 def _einsum_form(modules: ModuleBackend, layer: Any, params: dict) -> tuple[str, str] | None:

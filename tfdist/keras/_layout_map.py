@@ -7,7 +7,11 @@ Keys are regular expressions on variable paths, as in Keras.  A value may be
 * a tensor-parallel style (``ColwiseParallel()``, ``RowwiseParallel()``): the
   variable takes the placement the style gives to that weight of its layer
   (a Dense kernel is ``Shard(1)`` under Colwise); the style's mesh dim is the
-  map's ``tp_dim_name`` (default: the mesh's last dim).
+  map's ``tp_dim_name`` (default: the mesh's last dim),
+* ``tfdist.fsdp.FSDPStyle(...)``: a trainable variable is sharded over the
+  data-parallel dim (default: the mesh's first) on its first dim that divides
+  evenly, after its ``tp_style`` placement; its layer then gathers and
+  reduce-scatters as under ``fully_shard``.
 
 A style in a layout map lays out variables only; ``parallelize_module`` also
 relayouts the layer's inputs and outputs (a fixed Megatron comm pattern).
@@ -20,6 +24,7 @@ from typing import Any
 from keras.distribution import LayoutMap as KerasLayoutMap
 from keras.distribution import TensorLayout
 
+from tfdist.fsdp import FSDPStyle
 from tfdist.keras._backend import tfdist_mesh
 from tfdist.keras._modules import KerasModules
 from tfdist.tensor.parallel.style import ParallelStyle
@@ -50,7 +55,10 @@ class LayoutMap(KerasLayoutMap):
             )
 
     def __setitem__(self, key: str, layout: Any) -> None:
-        if isinstance(layout, ParallelStyle):
+        if isinstance(layout, FSDPStyle) and layout.tp_style is not None and not isinstance(
+                layout.tp_style, ParallelStyle):
+            raise ValueError(f"FSDPStyle(tp_style=...) must be a ParallelStyle. Received: {layout.tp_style!r}")
+        if isinstance(layout, (ParallelStyle, FSDPStyle)):
             if key in self._layout_map:
                 raise ValueError(f"{key} already exists in the LayoutMap with value {self._layout_map[key]}.")
             self._layout_map[key] = layout
@@ -100,9 +108,32 @@ class _ResolveLater:
         mesh = self.layout_map.device_mesh
         if isinstance(self.value, _StaticPlacements):
             placements = self.value.placements
+        elif isinstance(self.value, FSDPStyle):
+            placements = self._from_fsdp(variable, layer, mesh)
         else:
             placements = self._from_style(variable, layer, mesh)
         return self._axes(placements, len(variable.shape), variable.path)
+
+    def _from_fsdp(self, variable: Any, layer: Any, mesh: Any):
+        style = self.value
+        dp = style.dim_name or mesh.axis_names[0]
+        if dp not in mesh.axis_names:
+            raise ValueError(f"FSDPStyle(dim_name={dp!r}) is not a dim of the mesh {tuple(mesh.axis_names)}.")
+        placements = [Replicate()] * len(mesh.axis_names)
+        if style.tp_style is not None:
+            placements = list(_ResolveLater(style.tp_style, self.layout_map, self.path)._from_style(
+                variable, layer, mesh))
+        if not getattr(variable, "trainable", True) or layer is None:
+            return tuple(placements)
+        specs = ["unsharded"] * len(variable.shape)
+        for name, p in zip(mesh.axis_names, placements):
+            if isinstance(p, Shard):
+                specs[p.dim % len(specs)] = name
+        d = style.shard_dim(tuple(variable.shape), specs, mesh.shape[list(mesh.axis_names).index(dp)])
+        if d is not None:
+            placements[list(mesh.axis_names).index(dp)] = Shard(d)
+            style.attach(_MODULES, layer, tfdist_mesh(mesh)[dp])
+        return tuple(placements)
 
     def _axes(self, placements, rank: int, what: str) -> TensorLayout:
         mesh = self.layout_map.device_mesh
