@@ -146,3 +146,73 @@ def test_bad_arguments():
     fully_shard(model, mesh=mesh8())
     with pytest.raises(ValueError, match="already"):
         FSDP(model)
+
+
+def test_state_dict_types_round_trip(float64):
+    from tfdist.fsdp import FullStateDictConfig, StateDictType
+    from tfdist.tensor import DTensor, Shard
+
+    model = FSDP(make_gpt(), auto_wrap_policy=ModuleWrapPolicy({Block}), device_mesh=mesh8())
+    plain = make_gpt()  # the same seed: the same weights, unsharded
+    full = model.state_dict()  # FULL by default
+    assert "blocks.0.mlp.up.kernel" in full and "tok.embeddings" in full
+    for name, value in full.items():
+        assert isinstance(value, np.ndarray)
+    from tfdist.fsdp._state_dict import named_weights
+
+    reference = {name: v.numpy() for name, v in named_weights(plain).items()}  # torch-style names
+    assert set(reference) == set(full)
+    for name, value in reference.items():
+        np.testing.assert_array_equal(full[name], value)
+
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        sharded = model.state_dict()
+        up = sharded["blocks.0.mlp.up.kernel"]
+        assert isinstance(up, DTensor) and up.placements == (Shard(0),)
+        assert tuple(up.to_local().shape) == (2, 64)
+        zeros = {k: (DTensor.from_tf(tf.zeros_like(v.to_tf())) if isinstance(v, DTensor) else v * 0)
+                 for k, v in sharded.items()}
+        model.load_state_dict(zeros)
+        assert float(np.abs(model.blocks[0].mlp.up.kernel.numpy()).max()) == 0.0
+        model.load_state_dict(sharded)
+    np.testing.assert_array_equal(model.blocks[0].mlp.up.kernel.numpy(), full["blocks.0.mlp.up.kernel"])
+
+    with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
+        local = model.state_dict()
+        assert len(local["blocks.0.mlp.up.kernel"]) == 8 and tuple(local["blocks.0.mlp.up.kernel"][3].shape) == (2, 64)
+        model.load_state_dict(local)
+    previous = FSDP.set_state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=True))
+    assert previous.state_dict_type == StateDictType.FULL_STATE_DICT
+    assert FSDP.get_state_dict_type(model).state_dict_config.rank0_only
+    assert set(model.state_dict()) == set(full)  # this process is rank 0
+    bad = dict(full)
+    bad["blocks.0.mlp.up.kernel"] = np.zeros((3, 3))
+    with pytest.raises(ValueError, match="shape"):
+        model.load_state_dict(bad)
+    np.testing.assert_array_equal(model.blocks[0].mlp.up.kernel.numpy(), full["blocks.0.mlp.up.kernel"])
+    with pytest.raises(ValueError, match="missing"):
+        model.load_state_dict({})
+    with pytest.raises(ValueError, match="FullStateDictConfig"):
+        FSDP.set_state_dict_type(model, StateDictType.FULL_STATE_DICT, object())
+
+
+def test_optim_state_dict_round_trip():
+    from tfdist.fsdp import StateDictType
+    from tfdist.tensor import DTensor
+
+    model = FSDP(make_gpt(), device_mesh=mesh8())
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=SCE)
+    model.fit(IDS[:16], NEXT[:16], batch_size=16, epochs=1, verbose=0)
+    osd = FSDP.optim_state_dict(model, model.optimizer)
+    assert set(osd["state"]["blocks.0.mlp.up.kernel"]) == {"momentum", "velocity"}
+    assert osd["param_groups"][0]["learning_rate"] == pytest.approx(1e-3)
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        sharded = FSDP.optim_state_dict(model, model.optimizer)
+        assert isinstance(sharded["state"]["blocks.0.mlp.up.kernel"]["momentum"], DTensor)
+    for slot in model.optimizer.variables:
+        if len(slot.shape):
+            slot.assign(np.zeros(slot.shape))
+    FSDP.optim_state_dict_to_load(model, model.optimizer, osd)
+    again = FSDP.optim_state_dict(model, model.optimizer)
+    np.testing.assert_array_equal(again["state"]["blocks.0.mlp.up.kernel"]["velocity"],
+                                  osd["state"]["blocks.0.mlp.up.kernel"]["velocity"])

@@ -17,6 +17,18 @@ from tfdist.fsdp._fully_shard import (
     FSDPModule, FSDPStyle, UnshardHandle, fully_shard, register_fsdp_forward_method,
 )
 from tfdist.fsdp._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from tfdist.fsdp._state_dict import (
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    LocalOptimStateDictConfig,
+    LocalStateDictConfig,
+    OptimStateDictConfig,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
+    StateDictConfig,
+    StateDictSettings,
+    StateDictType,
+)
 
 __all__ = [
     "fully_shard",
@@ -32,4 +44,14 @@ __all__ = [
     "BackwardPrefetch",
     "MixedPrecision",
     "CPUOffload",
+    "StateDictType",
+    "StateDictConfig",
+    "FullStateDictConfig",
+    "ShardedStateDictConfig",
+    "LocalStateDictConfig",
+    "OptimStateDictConfig",
+    "FullOptimStateDictConfig",
+    "ShardedOptimStateDictConfig",
+    "LocalOptimStateDictConfig",
+    "StateDictSettings",
 ]

@@ -21,6 +21,8 @@ import tensorflow as tf
 from tfdist.device_mesh import DeviceMesh
 from tfdist.fsdp._fully_shard import _REPLICATE, FSDPModule, fsdp_class, fully_shard
 from tfdist.fsdp._policies import MixedPrecisionPolicy
+from tfdist.fsdp import _state_dict
+from tfdist.fsdp._state_dict import StateDictSettings, StateDictType
 from tfdist.tensor._modules import module_backend
 
 __all__ = [
@@ -110,6 +112,45 @@ class _FSDP1Methods:
             if g is not None:
                 grads[i] = tf.convert_to_tensor(g) * tf.cast(scale, g.dtype)
         return total
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every weight by torch-style name (``blocks.0.mlp.up.kernel``), in the form set by
+        ``FullyShardedDataParallel.state_dict_type`` (default: FULL, numpy arrays).
+
+        Example::
+
+            with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+                sd = model.state_dict()          # tfdist DTensors, no communication
+        """
+        settings = _settings_of(self)
+        config = settings.state_dict_config
+        if settings.state_dict_type == StateDictType.FULL_STATE_DICT and config.rank0_only and not _state_dict.is_writer():
+            return {}
+        return {name: _state_dict.export_value(v, settings) for name, v in _state_dict.named_weights(self).items()}
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> tuple[list[str], list[str]]:
+        """Writes a ``state_dict()`` of the current type back; returns (missing, unexpected) names.
+
+        Everything is checked before anything is written: a missing or extra
+        name (with ``strict``) or a wrong shape raises and leaves the weights as they were.
+        """
+        settings = _settings_of(self)
+        own = _state_dict.named_weights(self)
+        missing = sorted(set(own) - set(state_dict))
+        unexpected = sorted(set(state_dict) - set(own))
+        if strict and (missing or unexpected):
+            raise ValueError(f"load_state_dict: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        for name in own:
+            value = state_dict.get(name)
+            shape = getattr(value, "shape", None) if not isinstance(value, (list, tuple)) else None
+            if shape is not None and tuple(shape) != tuple(own[name].shape):
+                raise ValueError(
+                    f"load_state_dict: {name!r} has shape {tuple(shape)}, the model's is {tuple(own[name].shape)}."
+                )
+        for name, variable in own.items():
+            if name in state_dict:
+                _state_dict.import_value(variable, state_dict[name], settings, name)
+        return missing, unexpected
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -215,6 +256,68 @@ class FullyShardedDataParallel(metaclass=_FSDP1Meta):
         return module
 
     @staticmethod
+    def set_state_dict_type(
+        module: Any, state_dict_type: StateDictType, state_dict_config: Any = None,
+        optim_state_dict_config: Any = None,
+    ) -> StateDictSettings:
+        """Sets the form of ``state_dict()`` for every FSDP1 unit under ``module``; returns the previous settings."""
+        settings = _state_dict.make_settings(state_dict_type, state_dict_config, optim_state_dict_config)
+        previous = FullyShardedDataParallel.get_state_dict_type(module)
+        for unit in _fsdp1_units(module):
+            unit._tfdist_state_dict_settings = settings
+        return previous
+
+    @staticmethod
+    def get_state_dict_type(module: Any) -> StateDictSettings:
+        """The settings of the FSDP1 units under ``module`` (ValueError if they differ)."""
+        found = [_settings_of(u) for u in _fsdp1_units(module)]
+        if any(s != found[0] for s in found[1:]):
+            raise ValueError("get_state_dict_type: the FSDP units under this module have different settings.")
+        return found[0] if found else _state_dict.default_settings()
+
+    @staticmethod
+    @contextlib.contextmanager
+    def state_dict_type(
+        module: Any, state_dict_type: StateDictType, state_dict_config: Any = None,
+        optim_state_dict_config: Any = None,
+    ) -> Iterator[None]:
+        """Within the block, ``state_dict()`` of the units under ``module`` takes this form."""
+        settings = _state_dict.make_settings(state_dict_type, state_dict_config, optim_state_dict_config)
+        with _state_dict.settings_scope(_fsdp1_units(module), settings):
+            yield
+
+    @staticmethod
+    def optim_state_dict(model: Any, optim: Any, optim_state_dict: Any = None, group: Any = None) -> dict:
+        """The optimizer's slots by parameter name and slot (``{"state": {name: {"momentum": ...}},
+        "param_groups": [hyper-parameters]}``), in the model's state-dict form."""
+        settings = FullyShardedDataParallel.get_state_dict_type(model)
+        config = settings.optim_state_dict_config
+        if settings.state_dict_type == StateDictType.FULL_STATE_DICT and config.rank0_only and not _state_dict.is_writer():
+            return {}
+        state = {
+            name: {slot: _state_dict.export_value(v, settings, optim=True) for slot, v in slots.items()}
+            for name, slots in _slots_by_param(model, optim).items()
+        }
+        groups = {k: v for k, v in optim.get_config().items() if isinstance(v, (int, float, str, bool))}
+        return {"state": state, "param_groups": [groups]}
+
+    @staticmethod
+    def optim_state_dict_to_load(model: Any, optim: Any, optim_state_dict: dict, **kwargs: Any) -> dict:
+        """Writes an ``optim_state_dict`` into ``optim``'s slots (Keras optimizers have no
+        ``load_state_dict``) and returns it.  The optimizer must be built (one step, or
+        ``optim.build(model.trainable_variables)``)."""
+        settings = FullyShardedDataParallel.get_state_dict_type(model)
+        slots = _slots_by_param(model, optim)
+        given = optim_state_dict.get("state", {})
+        missing = sorted(set(slots) - set(given))
+        if missing:
+            raise ValueError(f"optim_state_dict_to_load: no state for {missing[:5]}")
+        for name, per_slot in slots.items():
+            for slot, variable in per_slot.items():
+                _state_dict.import_value(variable, given[name][slot], settings, f"{name}/{slot}")
+        return optim_state_dict
+
+    @staticmethod
     @contextlib.contextmanager
     def summon_full_params(
         module: Any, recurse: bool = True, writeback: bool = True, rank0_only: bool = False,
@@ -247,3 +350,26 @@ class FullyShardedDataParallel(metaclass=_FSDP1Meta):
             if saved is not None:
                 for variable, value in zip(variables, saved):
                     variable.assign(value)
+
+
+def _fsdp1_units(module: Any) -> list[Any]:
+    modules = module_backend(module, "state_dict_type")
+    return [layer for _, layer in modules.named_layers(module) if isinstance(layer, _FSDP1Methods)]
+
+
+def _settings_of(unit: Any) -> StateDictSettings:
+    return getattr(unit, "_tfdist_state_dict_settings", None) or _state_dict.default_settings()
+
+
+def _slots_by_param(model: Any, optim: Any) -> dict[str, dict[str, Any]]:
+    """Parameter name -> {slot name: slot variable} (Keras names a slot ``<param path with _>_<slot>``)."""
+    if not getattr(optim, "built", False):
+        raise ValueError("optim_state_dict: the optimizer is not built yet; run a step or optim.build(variables).")
+    out = {}
+    slots = [v for v in optim.variables if len(v.shape)]
+    for name, variable in _state_dict.named_weights(model).items():
+        prefix = variable.path.replace("/", "_") + "_"
+        mine = {v.name[len(prefix):]: v for v in slots if v.name.startswith(prefix)}
+        if mine:
+            out[name] = mine
+    return out
