@@ -135,6 +135,22 @@ def test_parameters_gradients_and_optimizer_state_are_sharded():
     assert dtensor.fetch_layout(g).sharding_specs[0] == "dp"  # the gradient arrives as the shard
 
 
+def sum_sq_grads(model, x):
+    """Gradients of sum(model(x)^2) for the model's trainable variables."""
+    with tf.GradientTape() as tape:
+        y = model(x)
+        loss = tf.reduce_sum(y * y)
+    return tape.gradient(loss, model.trainable_variables)
+
+
+def traced_sum_sq_grads(model, x):
+    """``sum_sq_grads`` traced, under CommDebugMode: (grads, comm counts)."""
+    step = tf.function(lambda x: sum_sq_grads(model, x))
+    with CommDebugMode() as comm:
+        grads = step(x)
+    return grads, comm.get_comm_counts()
+
+
 def dense_stack(depth=4, dim=64):
     keras.utils.set_random_seed(0)
     return keras.Sequential(
@@ -151,25 +167,11 @@ def test_collectives_are_gathers_and_reduce_scatters(reshard):
         fully_shard(layer, mesh=dp_mesh(), reshard_after_forward=reshard)
     fully_shard(model, mesh=dp_mesh(), reshard_after_forward=reshard)
     x = tf.constant(RNG.standard_normal((16, 64)), tf.float32)
-
-    @tf.function
-    def step(x):
-        with tf.GradientTape() as tape:
-            y = model(x)
-            loss = tf.reduce_sum(y * y)
-        return tape.gradient(loss, model.trainable_variables)
-
-    with CommDebugMode() as comm:
-        grads = step(x)
-    counts = comm.get_comm_counts()
+    grads, counts = traced_sum_sq_grads(model, x)
     assert counts.get("all_gather_into_tensor") == 8 + (3 if reshard else 0)
     assert counts.get("all_to_all_single") == 8  # the reduce-scatters
     assert "all_reduce" not in counts
-    ref = dense_stack()
-    with tf.GradientTape() as tape:
-        y = ref(x)
-        loss = tf.reduce_sum(y * y)
-    for a, b in zip(tape.gradient(loss, ref.trainable_variables), grads):
+    for a, b in zip(sum_sq_grads(dense_stack(), x), grads):
         np.testing.assert_allclose(gather_to_numpy(b), a.numpy(), rtol=2e-5, atol=2e-6)
 
 
@@ -350,23 +352,9 @@ def test_embedding_gradient_is_reduce_scattered():
     model = make()
     fully_shard(model, mesh=dp_mesh())
     ids = tf.constant(IDS[:16])
-
-    @tf.function
-    def grads(ids):
-        with tf.GradientTape() as tape:
-            y = model(ids)
-            loss = tf.reduce_sum(y * y)
-        return tape.gradient(loss, model.trainable_variables)
-
-    with CommDebugMode() as comm:
-        got = grads(ids)
-    counts = comm.get_comm_counts()
+    got, counts = traced_sum_sq_grads(model, ids)
     assert "all_reduce" not in counts and counts.get("all_to_all_single") == 3, counts
-    ref = make()
-    with tf.GradientTape() as tape:
-        y = ref(ids)
-        loss = tf.reduce_sum(y * y)
-    for a, b in zip(tape.gradient(loss, ref.trainable_variables), got):
+    for a, b in zip(sum_sq_grads(make(), ids), got):
         np.testing.assert_allclose(gather_to_numpy(b), tf.convert_to_tensor(a).numpy(), rtol=1e-5, atol=1e-5)
 
 
@@ -392,18 +380,7 @@ def test_layout_map_fsdp_style_trains_like_one_device(float64, with_tp):
     loss = fit(model, X[:48], Y[:48], "mse")
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     assert max_weight_diff(ref, model) < 1e-12
-    x = tf.constant(X[:16])
-
-    @tf.function
-    def grads(x):
-        with tf.GradientTape() as tape:
-            y = model(x)
-            loss = tf.reduce_sum(y * y)
-        return tape.gradient(loss, model.trainable_variables)
-
-    with CommDebugMode() as comm:
-        grads(x)
-    counts = comm.get_comm_counts()
+    _, counts = traced_sum_sq_grads(model, tf.constant(X[:16]))
     # gathers before use, reduce-scatters (all-to-all) of the sharded gradients; with tp the
     # row-parallel product's all-reduce over tp is the tensor-parallel one
     assert counts.get("all_gather_into_tensor", 0) >= 4 and counts.get("all_to_all_single", 0) >= 3, counts
