@@ -118,5 +118,6 @@ def test_quiet_detection():
     from tfdist._quiet import is_quiet_command
 
     assert is_quiet_command(["python", "-m", "tfdist.cli", "demo"])
+    assert is_quiet_command(["python", "-m", "tfdist.run", "--nproc-per-node", "2", "train.py"])
     assert not is_quiet_command(["python", "-m", "tfdist.cli", "--verbose", "demo"])
     assert not is_quiet_command(["python", "-c", "import tfdist"])

@@ -223,3 +223,17 @@ def test_init_process_group_checks_its_arguments():
         tfdist.init_process_group("mpi")
     with pytest.raises(ValueError, match="world_size=3 but this process is world_size 1"):
         tfdist.init_process_group("gloo", world_size=3)
+
+
+def test_every_output_line_carries_its_rank():
+    """Continuation lines of multi-line messages (C++ and Python logs, progress redraws) keep the prefix;
+    ``python -m tfdist.run`` is as quiet as the ``tfdist`` command."""
+    out = launch("--nproc-per-node", "2", "--devices-per-proc", "1", "--master-port", str(free_base_port(2)),
+                 str(HERE / "multiline_logs.py"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [line for line in (out.stdout + out.stderr).splitlines() if line.strip()]
+    assert lines and all(line.startswith(("[rank 0] ", "[rank 1] ")) for line in lines), lines
+    for rank in (0, 1):
+        mine = [line for line in lines if line.startswith(f"[rank {rank}] ")]
+        assert f"[rank {rank}]   its third line" in mine and f"[rank {rank}] with a continuation line" in mine
+        assert f"[rank {rank}] no trailing newline" in mine

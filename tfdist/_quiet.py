@@ -4,7 +4,8 @@ TensorFlow logs at import time -- before any of tfdist's code could set
 ``TF_CPP_MIN_LOG_LEVEL`` from inside the command -- and some of those lines
 (absl's "before InitializeLog" messages, the CUDA probe) ignore the level.
 So when, and only when, the running program is the ``tfdist`` command
-(the console script, or ``python -m tfdist.cli``) without ``--verbose``,
+(the console script, ``python -m tfdist.cli``, or the launcher as
+``python -m tfdist.run``) without ``--verbose``,
 ``import tfdist`` sets ``TF_CPP_MIN_LOG_LEVEL=3`` (unless the user set it)
 and discards the C++ side's stderr while TensorFlow loads.  Python errors
 during the import are still raised and printed.
@@ -26,7 +27,7 @@ def is_quiet_command(argv: list[str] | None = None) -> bool:
     if "--verbose" in argv:
         return False
     as_script = bool(sys.argv) and os.path.basename(sys.argv[0]) == "tfdist"
-    as_module = any(a == "-m" and b == "tfdist.cli" for a, b in zip(argv, argv[1:]))
+    as_module = any(a == "-m" and b in ("tfdist.cli", "tfdist.run") for a, b in zip(argv, argv[1:]))
     return as_script or as_module
 
 

@@ -57,6 +57,8 @@ def build_parser(prog: str = "tfdist run") -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, default=0.0,
                         help="seconds the whole job may run; then every process is stopped (exit 124). 0: no limit")
     parser.add_argument("-m", "--module", action="store_true", help="run the target as a module (python -m)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show TensorFlow's own log lines (python -m tfdist.run is quiet by default)")
     parser.add_argument("script", help="the training script (or module with -m)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     return parser
@@ -136,7 +138,8 @@ def _die_with_parent() -> None:
 
 def _pump(stream, rank: int, out) -> None:
     for line in iter(stream.readline, ""):
-        out.write(f"[rank {rank}] {line}")
+        # a last line without its newline would run into the next rank's output
+        out.write(f"[rank {rank}] {line}" if line.endswith("\n") else f"[rank {rank}] {line}\n")
         out.flush()
     stream.close()
 
