@@ -165,7 +165,7 @@ def sharded_einsum(
     x_specs, y_specs = _letter_specs(inp, sources, b, dp), _letter_specs(out, sources, b, dp)
     x_layout, y_layout = dtensor.Layout(x_specs, mesh), dtensor.Layout(y_specs, mesh)
     dtype = compute_dtype or x.dtype
-    x = dtensor.relayout(tf.cast(x, dtype), x_layout)
+    x = tf.cast(x, dtype)
     t = next(c for c in "tzyxwvuqponmlkjihgfedcba" if c not in equation)
     split_inp, split_out = inp.replace(batch, t + batch), out.replace(batch, t + batch)
     stacked_specs = [dp] + full_specs
@@ -175,6 +175,9 @@ def sharded_einsum(
 
     @tf.custom_gradient
     def product(x, kernel, *bias_value):
+        # relayouted inside: TF's own gradient of a relayout (RelayoutLike) mis-propagates
+        # layouts (docs/tf_dtensor_repros/rowwise_sequence_shard_output.py)
+        x = dtensor.relayout(x, x_layout)
         with tf.control_dependencies([x] if tf.inside_function() else []):
             full = gather(kernel, param, dtype)
         y = tf.einsum(equation, x, full)
@@ -336,10 +339,10 @@ def sharded_call(
     parts = mesh.dim_size(dp)
     rank = x.shape.rank
     x_specs = [dp if batch_sharded else UNSHARDED] + [UNSHARDED] * (rank - 1)
-    x = dtensor.relayout(x, dtensor.Layout(x_specs, mesh))
 
     @tf.custom_gradient
     def run(x, *shards):
+        x = dtensor.relayout(x, dtensor.Layout(x_specs, mesh))  # inside: see sharded_einsum
         with tf.control_dependencies([x] if tf.inside_function() else []):
             fulls = [gather(s, p, dtype) for s, p in zip(shards, params)]
         y = fn(x, fulls)
