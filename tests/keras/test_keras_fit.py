@@ -193,3 +193,10 @@ def test_tfdist_layout_map_takes_styles_placements_and_axes():
     np.testing.assert_allclose(hist.history["loss"], ref_hist.history["loss"], rtol=1e-5)
     with pytest.raises(ValueError, match="placements has 1 entries but the mesh has 2 dims"):
         layout_map[".*x"] = (Shard(0),)
+
+
+def test_distribution_set_after_the_model_was_built_is_a_clear_error():
+    model = compile_(make_mlp())  # variables made with no distribution
+    keras.distribution.set_distribution(keras.distribution.DataParallel())
+    with pytest.raises(ValueError, match="came after .* created its variables"):
+        model.fit(X, Y, batch_size=16, epochs=1, verbose=0)

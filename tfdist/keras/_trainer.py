@@ -88,6 +88,29 @@ def _distributed(model) -> bool:
     return distribution_of(model) is not None
 
 
+def _explain_stranded(model, function):
+    """``function`` (Keras' own step) with TF DTensor's failure for a model whose variables were
+    made before ``keras.distribution.set_distribution`` turned into a clear error."""
+
+    def run(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except (tf.errors.UnknownError, tf.errors.InvalidArgumentError) as error:
+            distribution = keras.distribution.distribution()
+            if distribution is None or "_element_layouts" not in str(error):
+                raise
+            raise ValueError(
+                f"keras.distribution.set_distribution({type(distribution).__name__}(...)) came after "
+                f"{model.name!r} created its variables, so they are not on the distribution's mesh "
+                "(TF DTensor then fails on the input pipeline: IteratorGetNext ... _element_layouts). "
+                "Set the distribution first and then build and compile the model, or pass the built "
+                "model to tfdist.tensor.parallel.parallelize_module / tfdist.fsdp.fully_shard, which "
+                "move existing variables onto a mesh."
+            ) from None
+
+    return run
+
+
 def _by_batch_split(step_function, run_eagerly: bool, mesh, batch_axis):
     """``step_function`` on sharded batches; a batch that does not split evenly over the
     data-parallel dim runs replicated (``replicated_batch``) in its own traced function.
@@ -119,7 +142,7 @@ def install() -> None:
 
     def _make_function(self, step_function):
         if not _distributed(self):
-            return original_make(self, step_function)
+            return _explain_stranded(self, original_make(self, step_function))
         check_layout_map(self)
         mesh, batch_axis = mesh_of(self)
         one_step = _by_batch_split(step_function, self.run_eagerly, mesh, batch_axis)
