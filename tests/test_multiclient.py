@@ -237,3 +237,10 @@ def test_every_output_line_carries_its_rank():
         mine = [line for line in lines if line.startswith(f"[rank {rank}] ")]
         assert f"[rank {rank}]   its third line" in mine and f"[rank {rank}] with a continuation line" in mine
         assert f"[rank {rank}] no trailing newline" in mine
+
+
+def test_src_data_rank_broadcasts_the_source_clients_value():
+    out = launch("--nproc-per-node", "2", "--devices-per-proc", "2", "--master-port", str(free_base_port(2)),
+                 str(HERE / "src_data_rank.py"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "[rank 0] OK rank 0" in out.stdout and "[rank 1] OK rank 1" in out.stdout

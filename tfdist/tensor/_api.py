@@ -538,9 +538,12 @@ def distribute_tensor(
             raw TF DTensor (its global value is used).
         device_mesh: target mesh; default the current one (``with mesh:``).
         placements: one per mesh dim; default all ``Replicate()``.
-        src_data_rank: the client whose value is the source of truth (0), or
-            ``None`` to use each client's own value.  With one client both
-            mean the same.
+        src_data_rank: the client whose value is the source of truth (0):
+            in a multi-client run every client gets that client's value (a
+            broadcast, run as one all-reduce), whatever it passed itself.
+            ``None``: each client's own value is used for its devices (as in
+            torch; replicas then disagree if the values differ).  With one
+            client both mean the same.
 
     Example:
         >>> mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
@@ -578,9 +581,39 @@ def distribute_tensor(
             f"distribute_tensor needs a static shape. Received: tensor with shape {value.shape}"
         )
     replicated = DTensorSpec(mesh, (Replicate(),) * mesh.ndim, tuple(value.shape.as_list()))
-    physical = dtensor.copy_to_mesh(value, replicated.tf_layout)
+    if src_data_rank is not None and _runtime.is_multi_client():
+        physical = _broadcast_from_client(value, mesh, src_data_rank, replicated.tf_layout)
+    else:  # one client, or torch's src_data_rank=None: each client's own value
+        physical = dtensor.copy_to_mesh(value, replicated.tf_layout)
     target = DTensorSpec(mesh, placements, replicated.shape)
     return DTensor._wrap(redistribute_physical(physical, replicated, target), target)
+
+
+def _broadcast_from_client(value: tf.Tensor, mesh: DeviceMesh, src: int, layout: dtensor.Layout) -> tf.Tensor:
+    """``value`` as client ``src`` holds it, replicated on every device of every client.
+
+    Each client contributes a block per local device to a tensor with one
+    leading axis per mesh dim (sharded on it): client ``src``'s first device
+    its value, every other device zeros.  Summing the leading axes is one
+    all-reduce (TF's), after which every device holds ``src``'s value -- torch's
+    broadcast from ``src_data_rank``, at an all-reduce's bytes.  Runs once,
+    when a tensor is distributed.
+    """
+    root = mesh.root_mesh
+    tf_mesh = root.to_tf()
+    carrier = value if value.dtype.is_floating or value.dtype.is_integer or value.dtype.is_complex else None
+    if carrier is None:
+        if value.dtype != tf.bool:
+            raise ValueError(f"distribute_tensor(src_data_rank=...) cannot broadcast dtype {value.dtype.name}.")
+        carrier = tf.cast(value, tf.int32)
+    lead = [1] * root.ndim
+    mine = tf.reshape(carrier, lead + carrier.shape.as_list())
+    zeros = tf.zeros_like(mine)
+    blocks = [mine if (_runtime.get_rank() == src and i == 0) else zeros for i in range(len(tf_mesh.local_devices()))]
+    stacked_layout = dtensor.Layout(list(root.axis_names) + [dtensor.UNSHARDED] * value.shape.rank, tf_mesh)
+    stacked = dtensor.pack(blocks, stacked_layout)
+    total = dtensor.relayout(tf.reduce_sum(stacked, axis=list(range(root.ndim))), layout)
+    return total if carrier is value else tf.cast(total, value.dtype)
 
 
 def _world_size() -> int:
