@@ -88,7 +88,23 @@ def test_unreachable_coordinator_is_a_clear_timeout():
     start = time.monotonic()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert f"TIMEOUT client 1 could not reach the coordinator (client 0) at 127.0.0.1:{base} within 2 s" in out.stdout
+    assert f"TIMEOUT client 1 could not join client 0 at 127.0.0.1:{base} within 2 s" in out.stdout
+    assert time.monotonic() - start < 60
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_client_0_whose_peers_never_start_times_out_naming_them(world):
+    """Client 0 used to block forever in TF's start-up; it now waits `timeout` and names the ranks."""
+    base = free_base_port(world)
+    env = {**ENV, "DTENSOR_CLIENT_ID": "0", "DTENSOR_NUM_CLIENTS": str(world), "DTENSOR_JOB_NAME": "worker",
+           "DTENSOR_JOBS": ",".join(f"127.0.0.1:{base + r}" for r in range(world))}
+    code = ("import tfdist\ntry:\n    tfdist.init_process_group('gloo', timeout=3)\n"
+            "except TimeoutError as e:\n    print('TIMEOUT', e)\n")
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    missing = list(range(1, world))
+    assert f"TIMEOUT client 0 waited 3 s for the other clients; ranks {missing} never joined" in out.stdout, out
     assert time.monotonic() - start < 60
 
 

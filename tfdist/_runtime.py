@@ -181,22 +181,84 @@ def _jobs() -> list[str]:
     return jobs
 
 
-def _wait_for_coordinator(timeout: float) -> None:
-    """Clients other than 0 wait until client 0's server (the coordinator) listens."""
+def _rendezvous(timeout: float) -> None:
+    """Every client checks in with client 0 before TF's multi-client start-up, with a timeout.
+
+    TF's ``initialize_accelerator_system`` blocks in C++ (holding the GIL)
+    until every client has joined, with no timeout: a client whose peers never
+    start would wait forever.  So first, on client 0's own port (before TF's
+    server takes it over): client 0 listens, each other client connects and
+    sends its rank, and client 0 answers ``go`` once all are there.  Whoever
+    waits past ``timeout`` raises ``TimeoutError`` naming what is missing.
+    """
     host, port = _jobs()[0].rsplit(":", 1)
     deadline = time.monotonic() + timeout
+    if get_rank() == 0:
+        _host_rendezvous(int(port), deadline, timeout)
+    else:
+        _join_rendezvous(host, int(port), deadline, timeout)
+
+
+def _host_rendezvous(port: int, deadline: float, timeout: float) -> None:
+    world = get_world_size()
+    peers: dict[int, socket.socket] = {}
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TF's server binds it next
+        server.bind(("", port))
+        server.listen(world)
+        server.settimeout(0.2)
+        try:
+            while len(peers) < world - 1:
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(1, world)) - set(peers))
+                    raise TimeoutError(
+                        f"client 0 waited {timeout:g} s for the other clients; ranks {missing} never "
+                        f"joined (of {world}). Did they start (tfdist run --nproc-per-node/--nnodes), "
+                        "and can they reach this host's --master-addr/--master-port?"
+                    )
+                try:
+                    conn, _ = server.accept()
+                except socket.timeout:
+                    continue
+                conn.settimeout(5.0)
+                try:
+                    rank = int(conn.recv(16).decode().strip() or -1)
+                except (OSError, ValueError):
+                    conn.close()
+                    continue
+                if 0 < rank < world:
+                    peers[rank] = conn
+                else:
+                    conn.close()
+            for conn in peers.values():
+                conn.sendall(b"go\n")
+            for conn in peers.values():  # the peers close first: no TIME_WAIT on this port
+                try:
+                    conn.recv(16)
+                except OSError:
+                    pass
+        finally:
+            for conn in peers.values():
+                conn.close()
+
+
+def _join_rendezvous(host: str, port: int, deadline: float, timeout: float) -> None:
     while True:
         try:
-            with socket.create_connection((host, int(port)), timeout=1.0):
-                return
+            with socket.create_connection((host, port), timeout=1.0) as conn:
+                conn.sendall(f"{get_rank()}\n".encode())
+                conn.settimeout(max(0.1, deadline - time.monotonic()))
+                if conn.recv(16).startswith(b"go"):
+                    return
         except OSError:
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"client {get_rank()} could not reach the coordinator (client 0) at "
-                    f"{host}:{port} within {timeout:g} s. Is client 0 running, and are "
-                    "--master-addr/--master-port (DTENSOR_JOBS) right and reachable?"
-                ) from None
-            time.sleep(0.2)
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"client {get_rank()} could not join client 0 at {host}:{port} within {timeout:g} s. "
+                "Is client 0 running (and are all other clients started), and are "
+                "--master-addr/--master-port (DTENSOR_JOBS) right and reachable?"
+            )
+        time.sleep(0.2)
 
 
 def init_distributed(device_type: str | None = None, *, timeout: float = 300.0) -> None:
@@ -209,7 +271,9 @@ def init_distributed(device_type: str | None = None, *, timeout: float = 300.0) 
     the environment says multi-client.  Idempotent.
 
     Raises:
-        TimeoutError: client 0 (the coordinator) was not reachable in time.
+        TimeoutError: within ``timeout`` seconds, client 0 did not see every
+            other client check in (the message names the missing ranks), or
+            another client could not reach client 0.
     """
     global _initialized_device_type
     if _initialized_device_type is not None:
@@ -218,8 +282,8 @@ def init_distributed(device_type: str | None = None, *, timeout: float = 300.0) 
     if cpus:
         _configure_virtual_cpus(cpus)
     kind = normalize_device_type(device_type) if device_type else detect_device_type()
-    if is_multi_client() and get_rank() != 0:
-        _wait_for_coordinator(timeout)
+    if is_multi_client():
+        _rendezvous(timeout)
     if is_multi_client() or kind in ("GPU", "TPU"):
         dtensor.initialize_accelerator_system(kind)
     _initialized_device_type = kind
