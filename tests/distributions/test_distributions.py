@@ -231,3 +231,24 @@ def test_validation_errors_and_default():
         D.Distribution.set_default_validate_args(True)
     with pytest.raises(NotImplementedError):
         D.Cauchy(0.0, 1.0).enumerate_support()
+
+
+@pytest.mark.parametrize("name,matrix", [
+    ("covariance_matrix", [[2.0, 1.0], [0.0, 2.0]]),   # not symmetric: its lower triangle was used
+    ("covariance_matrix", [[1.0, 2.0], [2.0, 1.0]]),   # symmetric, an eigenvalue < 0
+    ("precision_matrix", [[1.0, 2.0], [2.0, 1.0]]),
+])
+def test_multivariate_normal_refuses_a_matrix_that_is_not_positive_definite(name, matrix):
+    with pytest.raises(ValueError, match=f"Expected parameter {name} .*PositiveDefinite"):
+        D.MultivariateNormal([0.0, 0.0], validate_args=True, **{name: matrix})
+    good = D.MultivariateNormal([0.0, 0.0], covariance_matrix=[[2.0, 1.0], [1.0, 2.0]], validate_args=True)
+    expected = st.multivariate_normal([0, 0], [[2, 1], [1, 2]]).logpdf([0.5, -1.0])
+    assert abs(float(good.log_prob(tf.constant([0.5, -1.0]))) - expected) < 1e-5
+
+
+def test_geometric_refuses_probs_zero_as_torch():
+    with pytest.raises(ValueError, match="Expected parameter probs .* to be positive"):
+        D.Geometric(probs=0.0, validate_args=True)
+    with pytest.raises(ValueError, match="to be positive"):
+        D.Geometric(probs=[0.5, 0.0])
+    assert abs(float(D.Geometric(probs=0.5).log_prob(2.0)) - st.geom(0.5, loc=-1).logpmf(2)) < 1e-6

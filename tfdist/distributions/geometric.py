@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tensorflow as tf
+
 from tfdist.distributions import constraints
 from tfdist.distributions._parameterised import _ProbsLogits
 from tfdist.distributions._tfp_backed import tfd
@@ -19,6 +21,15 @@ class Geometric(_ProbsLogits):
         self._set_probs_logits(probs, logits)
         shape = (self._probs_value if self._given == "probs" else self._logits_value).shape
         super().__init__(shape, (), validate_args)
+        if self._validate_args and self._given == "probs" and tf.executing_eagerly():
+            # beyond the unit interval, as torch: a success probability of 0 never succeeds
+            probs = tf.convert_to_tensor(self.probs)
+            if not bool(tf.reduce_all(probs > 0)):
+                raise ValueError(
+                    f"Expected parameter probs ({type(probs).__name__} of shape {tuple(probs.shape)}) of "
+                    f"distribution Geometric to be positive but found invalid values:\n"
+                    f"{tf.boolean_mask(tf.reshape(probs, [-1]), tf.reshape(probs <= 0, [-1]))}"
+                )
 
     def _tfp(self):
         return tfd().Geometric(probs=self.probs)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tfdist.distributions import constraints
+from tfdist.distributions import constraints, distribution
 from tfdist.distributions._tfp_backed import _TFPBacked, tfd
 
 __all__ = ["MultivariateNormal"]
@@ -28,14 +28,17 @@ class MultivariateNormal(_TFPBacked):
         loc = tf.convert_to_tensor(loc, dtype_hint=tf.float32)
         if loc.shape.rank < 1:
             raise ValueError("loc must be at least one-dimensional.")
+        validate = distribution._VALIDATE_DEFAULT if validate_args is None else validate_args
         if scale_tril is not None:
             self.scale_tril = tf.cast(scale_tril, loc.dtype)
             self._given = "scale_tril"
         elif covariance_matrix is not None:
-            self.scale_tril = tf.linalg.cholesky(tf.cast(covariance_matrix, loc.dtype))
+            matrix = _checked("covariance_matrix", tf.cast(covariance_matrix, loc.dtype), validate)
+            self.scale_tril = _cholesky("covariance_matrix", matrix)
             self._given = "covariance_matrix"
         else:
-            self.scale_tril = tf.linalg.cholesky(tf.linalg.inv(tf.cast(precision_matrix, loc.dtype)))
+            matrix = _checked("precision_matrix", tf.cast(precision_matrix, loc.dtype), validate)
+            self.scale_tril = _cholesky("precision_matrix", tf.linalg.inv(matrix))
             self._given = "precision_matrix"
         batch = tf.broadcast_static_shape(loc.shape[:-1], self.scale_tril.shape[:-2])
         self.loc = tf.broadcast_to(loc, batch.concatenate(loc.shape[-1:]))
@@ -58,3 +61,25 @@ class MultivariateNormal(_TFPBacked):
     @property
     def mode(self):
         return self.loc
+
+
+def _checked(name: str, matrix: tf.Tensor, validate: bool) -> tf.Tensor:
+    """With validation (eager), a matrix that is not symmetric positive definite is a ValueError
+    naming the parameter (before a Cholesky would take its lower triangle or fail)."""
+    if validate and tf.executing_eagerly() and not bool(tf.reduce_all(constraints.positive_definite.check(matrix))):
+        raise ValueError(
+            f"Expected parameter {name} (Tensor of shape {tuple(matrix.shape)}) of distribution "
+            f"MultivariateNormal to satisfy the constraint PositiveDefinite() (symmetric, all "
+            f"eigenvalues > 0), but found invalid values:\n{matrix}"
+        )
+    return matrix
+
+
+def _cholesky(name: str, matrix: tf.Tensor) -> tf.Tensor:
+    """Cholesky factor; without validation a failing factorisation still names the parameter."""
+    try:
+        return tf.linalg.cholesky(matrix)
+    except tf.errors.InvalidArgumentError as error:
+        raise ValueError(
+            f"MultivariateNormal: {name} is not positive definite (Cholesky failed: {error.message})"
+        ) from None
