@@ -200,3 +200,15 @@ def test_distribution_set_after_the_model_was_built_is_a_clear_error():
     keras.distribution.set_distribution(keras.distribution.DataParallel())
     with pytest.raises(ValueError, match="came after .* created its variables"):
         model.fit(X, Y, batch_size=16, epochs=1, verbose=0)
+
+
+@pytest.mark.parametrize("key,axes", [(".*up/kernel", (None, "model", None)), (".*", (None, "model"))],
+                         ids=["rank-3 layout", "'.*' also matches biases"])
+def test_layout_map_value_of_the_wrong_rank_names_the_variable(key, axes):
+    mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[key] = axes
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map,
+                                                                         batch_dim_name="batch"))
+    with pytest.raises(ValueError, match=r"for variable '.*up/(kernel|bias)' has \d axes, but the variable has shape"):
+        make_mlp()

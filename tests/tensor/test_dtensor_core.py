@@ -238,3 +238,17 @@ def test_repr_has_no_stray_comma(mesh_2d):
     assert repr(d).endswith("placements=(Shard(dim=0), Shard(dim=1)))")
     one = distribute_tensor(np.ones(4, np.float32), MESHES[(8,)], [Shard(0)])
     assert repr(one).endswith("placements=(Shard(dim=0),))")  # a 1-tuple, as Python writes it
+
+
+def test_string_dtensor_moves_that_need_a_collective_are_a_clear_type_error():
+    from tfdist.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = make_mesh((8,))
+    words = distribute_tensor(tf.constant([f"w{i}" for i in range(8)]), mesh, [Shard(0)])  # a local slice
+    assert words.local_tensors()[3].numpy().tolist() == [b"w3"]
+    with pytest.raises(TypeError, match="dtype string cannot be moved .* collectives carry numbers only"):
+        words.full_tensor()
+    with pytest.raises(TypeError, match="dtype string"):
+        words.redistribute(mesh, [Replicate()])
+    numbers = distribute_tensor(np.arange(8.0), mesh, [Shard(0)])  # the process is still fine
+    np.testing.assert_array_equal(numbers.full_tensor().numpy(), np.arange(8.0))

@@ -179,6 +179,14 @@ def _pick_layout(variable: Any) -> dtensor.Layout | None:
         return None
     if hasattr(layout, "for_variable"):  # a tfdist LayoutMap value: style or placements
         layout = layout.for_variable(variable, layer)
+    axes = getattr(layout, "axes", None)
+    if axes is not None and len(axes) != len(variable.shape):
+        raise ValueError(
+            f"the layout {tuple(axes)} for variable '{variable.path}' has {len(axes)} axes, but the "
+            f"variable has shape {tuple(variable.shape)} (rank {len(variable.shape)}). A LayoutMap key "
+            "is a full-match regex over variable paths: make it match only variables of that rank "
+            "(e.g. '.*dense/kernel', not '.*' which also matches the biases), or give one axis per dim."
+        )
     return _as_tf_layout(layout)
 
 

@@ -579,6 +579,15 @@ def redistribute_physical(x: tf.Tensor, src: DTensorSpec, dst: DTensorSpec) -> t
     check_transition(src, dst)
     if 0 in src.shape:
         return _empty(x.dtype, dst)
+    if not (x.dtype.is_floating or x.dtype.is_integer or x.dtype.is_complex or x.dtype == tf.bool):
+        moves = [s for s in plan_redistribute(src, dst) if s.collective != "none"]
+        if moves:  # TF DTensor's collectives carry numbers only (a raw MLIR error otherwise)
+            raise TypeError(
+                f"a DTensor of dtype {x.dtype.name} cannot be moved from {src.placements} to "
+                f"{dst.placements}: that needs {moves[0].collective} on mesh dim {moves[0].mesh_dim!r}, "
+                "and TF DTensor collectives carry numbers only. Keep such tensors replicated "
+                "(distribute_tensor(x, mesh, [Replicate()])) or encode them as numbers first."
+            )
     itemsize = x.dtype.size
     x, src, _ = _collapse(x, src, dst, itemsize) if src.multi_dims else (x, src, [])
     inner = _ride_target(src, dst) if dst.multi_dims else dst
