@@ -16,7 +16,7 @@ from tfdist.tensor import (
     distribute_tensor, empty, full, ones, rand, randn, zeros,
 )
 
-HYP = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+HYP = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 MESHES = {s: make_mesh(s) for s in MESH_SHAPES}
 
 

@@ -34,7 +34,7 @@ def cases(draw):
     return mesh, tuple(placements), shape
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=800, deadline=None)
 @given(cases())
 def test_layout_encodes_placements_and_decodes_back(case):
     mesh, placements, shape = case

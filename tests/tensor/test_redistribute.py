@@ -88,7 +88,7 @@ def test_all_n_d_pairs(mesh_shape, graph):
             assert_dtensor_equal(x, tuple(dst), _run(d, mesh, dst, graph))
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(
     st.sampled_from(MESH_SHAPES),
     st.lists(st.integers(1, 10), min_size=1, max_size=3),
