@@ -252,3 +252,18 @@ def test_geometric_refuses_probs_zero_as_torch():
     with pytest.raises(ValueError, match="to be positive"):
         D.Geometric(probs=[0.5, 0.0])
     assert abs(float(D.Geometric(probs=0.5).log_prob(2.0)) - st.geom(0.5, loc=-1).logpmf(2)) < 1e-6
+
+
+def test_holes_filled_against_scipy_and_closed_forms():
+    """Poisson-Poisson KL (TFP has none), Binomial entropy by enumeration, Pareto icdf, F mode."""
+    exact = sum(st.poisson(2).pmf(k) * np.log(st.poisson(2).pmf(k) / st.poisson(3).pmf(k)) for k in range(80))
+    np.testing.assert_allclose(float(D.kl_divergence(D.Poisson(2.0), D.Poisson(3.0))), exact, rtol=1e-6)
+    np.testing.assert_allclose(D.Binomial(5, probs=[0.3, 0.5, 0.9]).entropy().numpy(),
+                               [st.binom(5, p).entropy() for p in (0.3, 0.5, 0.9)], rtol=1e-6)
+    u = np.array([0.1, 0.5, 0.99], np.float32)
+    np.testing.assert_allclose(D.Pareto(1.5, 2.0).icdf(u).numpy(), st.pareto(2.0, scale=1.5).ppf(u), rtol=1e-5)
+    np.testing.assert_allclose(D.Pareto(1.5, 2.0).cdf(D.Pareto(1.5, 2.0).icdf(u)).numpy(), u, rtol=1e-5)
+    mode = D.FisherSnedecor([5.0, 2.0], [6.0, 6.0]).mode.numpy()
+    assert abs(mode[0] - 0.6 * 6 / 8) < 1e-6 and np.isnan(mode[1])  # torch: NaN for df1 <= 2
+    grid = np.linspace(0.01, 3, 3000)
+    assert abs(grid[np.argmax(st.f(5, 6).pdf(grid))] - mode[0]) < 2e-3  # the density's argmax

@@ -39,6 +39,14 @@ class Binomial(_ProbsLogits):
             return tfd().Binomial(total_count=self.total_count, probs=self._probs_value)
         return tfd().Binomial(total_count=self.total_count, logits=self._logits_value)
 
+    def entropy(self):
+        """-sum_k p(k) log p(k) over the support 0..n (torch enumerates it too)."""
+        n = tf.reduce_max(self.total_count)
+        if not bool(tf.reduce_all(tf.equal(self.total_count, n))):
+            raise NotImplementedError("Inhomogeneous total count not supported by `entropy`.")
+        log_prob = self.log_prob(self.enumerate_support(expand=False))
+        return -tf.reduce_sum(tf.exp(log_prob) * log_prob, axis=0)
+
     def enumerate_support(self, expand=True):
         n = tf.reduce_max(self.total_count)
         if not bool(tf.reduce_all(tf.equal(self.total_count, n))):

@@ -47,3 +47,10 @@ class FisherSnedecor(_TFPBacked):
         d1, d2 = self.df1, self.df2
         v = 2 * d2 ** 2 * (d1 + d2 - 2) / (d1 * (d2 - 2) ** 2 * (d2 - 4))
         return tf.where(d2 > 4, v, tf.constant(float("nan"), v.dtype))
+
+    @property
+    def mode(self):
+        """(df1 - 2) / df1 * df2 / (df2 + 2); NaN for df1 <= 2 (as torch)."""
+        d1, d2 = self.df1, self.df2
+        m = (d1 - 2) / d1 * d2 / (d2 + 2)
+        return tf.where(d1 > 2, m, tf.constant(float("nan"), m.dtype))

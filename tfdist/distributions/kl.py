@@ -127,7 +127,7 @@ def _tfp_kl(p, q):
 for _pair in (
     (Normal, Normal), (Bernoulli, Bernoulli), (Categorical, Categorical),
     (Exponential, Exponential), (Gamma, Gamma), (Beta, Beta), (Laplace, Laplace),
-    (Dirichlet, Dirichlet), (MultivariateNormal, MultivariateNormal), (Poisson, Poisson),
+    (Dirichlet, Dirichlet), (MultivariateNormal, MultivariateNormal),
     (Gumbel, Gumbel), (HalfNormal, HalfNormal), (LogNormal, LogNormal),
 ):
     register_kl(*_pair)(_tfp_kl)
@@ -182,6 +182,12 @@ def _kl_pareto_pareto(p, q):
     result = (tf.math.log(a1) + a1 * tf.math.log(s1) - (a1 + 1) * (tf.math.log(s1) + 1 / a1)
               - tf.math.log(a2) - a2 * tf.math.log(s2) + (a2 + 1) * (tf.math.log(s1) + 1 / a1))
     return tf.where(s1 < s2, _inf_like(result), result)
+
+
+@register_kl(Poisson, Poisson)
+def _kl_poisson_poisson(p, q):
+    # sum_k p(k) log(p(k)/q(k)) = rate_p log(rate_p / rate_q) - rate_p + rate_q (TFP has no such pair)
+    return p.rate * (tf.math.log(p.rate) - tf.math.log(q.rate)) - p.rate + q.rate
 
 
 @register_kl(Binomial, Binomial)

@@ -23,3 +23,12 @@ def _pareto_entropy(self):
 
 
 Pareto.entropy = _pareto_entropy
+
+
+def _pareto_icdf(self, value):
+    # F(x) = 1 - (scale / x) ** alpha  =>  x = scale * (1 - u) ** (-1 / alpha)
+    u = tf.cast(value, self.scale.dtype)
+    return self.scale * tf.pow(1 - u, -1.0 / self.alpha)
+
+
+Pareto.icdf = _pareto_icdf
