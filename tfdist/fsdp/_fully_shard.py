@@ -350,8 +350,9 @@ def _layer_call(modules: ModuleBackend, layer: Any, params: dict, state: _FSDPSt
         return _sharded_lookup_call(modules, layer, params, state), True
     if modules.layer_kind(layer).kind == "norm" and not modules.call_replaced(layer):
         return _sharded_norm_call(modules, layer, params, state), True
-    if _einsum_form(modules, layer, params) is not None:
-        return _sharded_product_call(modules, layer, params, state), True
+    form = _einsum_form(modules, layer, params)
+    if form is not None:
+        return _sharded_product_call(modules, layer, params, state, form), True
     # a tensor-parallel product that reads the weights itself is wrapped from outside
     return _gathered_call(modules, params, state), not modules.call_replaced(layer)
 
@@ -454,7 +455,10 @@ def _einsum_form(modules: ModuleBackend, layer: Any, params: dict) -> tuple[str,
     return None
 
 
-def _sharded_product_call(modules: ModuleBackend, layer: Any, params: dict, state: _FSDPState) -> Callable:
+def _sharded_product_call(
+    modules: ModuleBackend, layer: Any, params: dict, state: _FSDPState, form: tuple[str, str],
+) -> Callable:
+    """``form``: (equation or ``"dense"``, bias letters), decided once when the layer is hooked."""
     kernel_var, kernel_param = params["kernel"]
     bias = params.get("bias")
 
@@ -462,7 +466,7 @@ def _sharded_product_call(modules: ModuleBackend, layer: Any, params: dict, stat
         x = as_tf(inputs)
         if modules.is_symbolic(x) or not isinstance(x, tf.Tensor):
             return original(inputs, *args, **kwargs)
-        equation, letters = _einsum_form(modules, layer, params) or ("dense", "n")
+        equation, letters = form
         if equation == "dense":
             lead = "abcdefghijlmopqrsuvwxy"[: x.shape.rank - 1]
             equation = f"{lead}k,kn->{lead}n"

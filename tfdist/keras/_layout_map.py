@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from keras.distribution import LayoutMap as KerasLayoutMap
+from tensorflow.experimental import dtensor
 from keras.distribution import TensorLayout
 
 from tfdist.fsdp import FSDPStyle
@@ -125,7 +126,7 @@ class _ResolveLater:
                 variable, layer, mesh))
         if not getattr(variable, "trainable", True) or layer is None:
             return tuple(placements)
-        specs = ["unsharded"] * len(variable.shape)
+        specs = [dtensor.UNSHARDED] * len(variable.shape)
         for name, p in zip(mesh.axis_names, placements):
             if isinstance(p, Shard):
                 specs[p.dim % len(specs)] = name

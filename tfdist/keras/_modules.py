@@ -121,8 +121,7 @@ def _ensure_base_call(layer: Any) -> None:
     (FSDP's gathered product inside tensor-parallel relayouts applied before it)."""
     if "_tfdist_base_call" not in layer.__dict__:
         layer._tfdist_base_call = layer.call
-        outer = layer.call
-        layer.call = functools.wraps(outer)(lambda *args, **kwargs: layer._tfdist_base_call(*args, **kwargs))
+        layer.call = functools.wraps(layer.call)(lambda *args, **kwargs: layer._tfdist_base_call(*args, **kwargs))
 
 
 class KerasModules:
