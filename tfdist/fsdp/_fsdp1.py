@@ -296,7 +296,7 @@ class FullyShardedDataParallel(metaclass=_FSDP1Meta):
             return {}
         state = {
             name: {slot: _state_dict.export_value(v, settings, optim=True) for slot, v in slots.items()}
-            for name, slots in _slots_by_param(model, optim).items()
+            for name, slots in _state_dict.slots_by_param(model, optim).items()
         }
         groups = {k: v for k, v in optim.get_config().items() if isinstance(v, (int, float, str, bool))}
         return {"state": state, "param_groups": [groups]}
@@ -307,7 +307,7 @@ class FullyShardedDataParallel(metaclass=_FSDP1Meta):
         ``load_state_dict``) and returns it.  The optimizer must be built (one step, or
         ``optim.build(model.trainable_variables)``)."""
         settings = FullyShardedDataParallel.get_state_dict_type(model)
-        slots = _slots_by_param(model, optim)
+        slots = _state_dict.slots_by_param(model, optim)
         given = optim_state_dict.get("state", {})
         missing = sorted(set(slots) - set(given))
         if missing:
@@ -359,17 +359,3 @@ def _fsdp1_units(module: Any) -> list[Any]:
 
 def _settings_of(unit: Any) -> StateDictSettings:
     return getattr(unit, "_tfdist_state_dict_settings", None) or _state_dict.default_settings()
-
-
-def _slots_by_param(model: Any, optim: Any) -> dict[str, dict[str, Any]]:
-    """Parameter name -> {slot name: slot variable} (Keras names a slot ``<param path with _>_<slot>``)."""
-    if not getattr(optim, "built", False):
-        raise ValueError("optim_state_dict: the optimizer is not built yet; run a step or optim.build(variables).")
-    out = {}
-    slots = [v for v in optim.variables if len(v.shape)]
-    for name, variable in _state_dict.named_weights(model).items():
-        prefix = variable.path.replace("/", "_") + "_"
-        mine = {v.name[len(prefix):]: v for v in slots if v.name.startswith(prefix)}
-        if mine:
-            out[name] = mine
-    return out

@@ -139,6 +139,20 @@ def named_weights(module: Any) -> dict[str, Any]:
     return out
 
 
+def slots_by_param(model: Any, optim: Any) -> dict[str, dict[str, Any]]:
+    """Parameter name -> {slot name: slot variable} (Keras names a slot ``<param path with _>_<slot>``)."""
+    if not getattr(optim, "built", False):
+        raise ValueError("optim_state_dict: the optimizer is not built yet; run a step or optim.build(variables).")
+    out = {}
+    slots = [v for v in optim.variables if len(v.shape)]
+    for name, variable in named_weights(model).items():
+        prefix = variable.path.replace("/", "_") + "_"
+        mine = {v.name[len(prefix):]: v for v in slots if v.name.startswith(prefix)}
+        if mine:
+            out[name] = mine
+    return out
+
+
 def export_value(variable: Any, settings: StateDictSettings, optim: bool = False) -> Any:
     """A variable's value in the settings' form."""
     kind = settings.state_dict_type

@@ -75,6 +75,13 @@ def distribute_tensor(tensor: Any, layout: Any) -> tf.Tensor:
     tensor = tf.convert_to_tensor(tensor)
     if tf.executing_eagerly() and not dtensor.is_dtensor(tensor):
         tensor = dtensor.copy_to_mesh(tensor, dtensor.Layout.replicated(tf_layout.mesh, tensor.shape.rank))
+    elif tf.executing_eagerly() and dtensor.fetch_layout(tensor).mesh != tf_layout.mesh:
+        # an initial value made on another model's mesh (a DTensor default mesh still current):
+        # relayout cannot cross meshes, a replicated copy can
+        source = dtensor.fetch_layout(tensor)
+        if not source.is_fully_replicated():
+            tensor = dtensor.relayout(tensor, dtensor.Layout.replicated(source.mesh, tensor.shape.rank))
+        tensor = dtensor.copy_to_mesh(tensor, dtensor.Layout.replicated(tf_layout.mesh, tensor.shape.rank))
     return dtensor.relayout(tensor, tf_layout)
 
 
