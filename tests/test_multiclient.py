@@ -260,3 +260,20 @@ def test_src_data_rank_broadcasts_the_source_clients_value():
                  str(HERE / "src_data_rank.py"))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "[rank 0] OK rank 0" in out.stdout and "[rank 1] OK rank 1" in out.stdout
+
+
+def test_checkpoint_saved_by_two_clients_loads_in_one_and_four(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    out = launch("--nproc-per-node", "2", "--devices-per-proc", "2", "--master-port", str(free_base_port(2)),
+                 str(HERE / "checkpoint_roundtrip.py"), "save", ckpt)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "[rank 0] OK saved" in out.stdout and "[rank 1] OK saved" in out.stdout
+    one = subprocess.run([sys.executable, str(HERE / "checkpoint_roundtrip.py"), "load", ckpt], capture_output=True,
+                         text=True, env={**ENV, "TFDIST_VIRTUAL_CPUS": "2"}, timeout=240)
+    assert one.returncode == 0 and "OK loaded rank 0 of 1" in one.stdout, one.stderr[-3000:]
+    for nproc in (4,):
+        out = launch("--nproc-per-node", str(nproc), "--devices-per-proc", "2", "--master-port",
+                     str(free_base_port(nproc)), str(HERE / "checkpoint_roundtrip.py"), "load", ckpt)
+        assert out.returncode == 0, out.stderr[-3000:]
+        for rank in range(nproc):
+            assert f"OK loaded rank {rank} of {nproc}" in out.stdout, out.stdout

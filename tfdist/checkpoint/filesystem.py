@@ -247,7 +247,7 @@ class FileSystemWriter(StorageWriter):
         for entry in self.path.iterdir():
             if entry.is_dir() and entry.name.startswith("save-") and entry.name != keep:
                 shutil.rmtree(entry, ignore_errors=True)
-            elif entry.name.startswith(METADATA + ".tmp-"):
+            elif entry.name.startswith(METADATA + ".tmp"):
                 entry.unlink(missing_ok=True)
 
 
