@@ -44,5 +44,6 @@ _random_layers.install()
 from tfdist.keras import _modules  # noqa: E402,F401  (registers the Keras ModuleBackend)
 from tfdist.keras._layout_map import LayoutMap  # noqa: E402
 from tfdist.keras._summary import summary  # noqa: E402
+from tfdist.keras._checkpoint_callback import DistributedCheckpoint  # noqa: E402
 
-__all__ = ["LayoutMap", "summary"]
+__all__ = ["LayoutMap", "summary", "DistributedCheckpoint"]

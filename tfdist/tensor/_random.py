@@ -176,6 +176,10 @@ _DROPOUT_FNS: dict = {}
 
 def _static_shape(shape) -> tuple[int, ...] | None:
     """``shape`` as Python ints (DTensor slices only static ranges), or None if a dim is dynamic."""
+    if isinstance(shape, tf.Tensor):  # a shape tensor (Keras passes tf.shape(x) inside a traced step)
+        shape = tf.get_static_value(shape)
+        if shape is None:
+            return None
     dims = []
     for d in (shape.as_list() if isinstance(shape, tf.TensorShape) else list(shape)):
         value = d if isinstance(d, int) or d is None else tf.get_static_value(d)
