@@ -265,9 +265,19 @@ def test_async_save_snapshots_state_and_reports_errors(tmp_path):
 
     var = dtensor.DVariable(distribute_tensor(X, mesh, [Shard(0), Shard(1)]).to_tf())
     plain = tf.Variable(X[0])
-    future = dcp.async_save({"v": var, "p": plain, "step": 3}, checkpoint_id=tmp_path)
+    import threading
+
+    mutated = threading.Event()
+
+    class WaitsForTraining(dcp.DefaultSavePlanner):  # writes only after the training step below ran
+        def resolve_data(self, write_item):
+            assert mutated.wait(30)
+            return super().resolve_data(write_item)
+
+    future = dcp.async_save({"v": var, "p": plain, "step": 3}, checkpoint_id=tmp_path, planner=WaitsForTraining())
     var.assign_add(tf.ones_like(var))  # training goes on while the save is written
     plain.assign(tf.zeros(12))
+    mutated.set()
     md = future.result(timeout=60)
     assert isinstance(md, dcp.Metadata)
     sd = {"v": distribute_tensor(np.zeros_like(X), mesh1d(), [Shard(0)]), "p": tf.zeros(12), "step": 0}

@@ -11,8 +11,10 @@ multi-mesh-dim dim, so the chunks on disk are always plain rectangles.
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
+import functools
 from typing import Any
 
 import numpy as np
@@ -69,8 +71,13 @@ def is_sharded(t: Any) -> bool:
 
 
 def spec_of(t: tf.Tensor) -> DTensorSpec:
-    layout = dtensor.fetch_layout(t)
-    return DTensorSpec(DeviceMesh.from_tf(layout.mesh), placements_from_tf_layout(layout), tuple(t.shape))
+    return _spec_of_layout(dtensor.fetch_layout(t).to_string(), tuple(t.shape))
+
+
+@functools.lru_cache(maxsize=4096)
+def _spec_of_layout(layout_str: str, shape: tuple[int, ...]) -> DTensorSpec:
+    layout = dtensor.Layout.from_string(layout_str)
+    return DTensorSpec(DeviceMesh.from_tf(layout.mesh), placements_from_tf_layout(layout), shape)
 
 
 @dataclasses.dataclass
@@ -170,21 +177,61 @@ class StagedValue:
     chunks: list[LocalChunk]
 
 
-def stage(obj: Any) -> Any:
+def _inner_variable(obj: Any) -> tf.Variable | None:
+    if isinstance(obj, tf.Variable):
+        return obj
+    inner = getattr(obj, "_value", None) if is_variable(obj) else None
+    return inner if isinstance(inner, tf.Variable) else None
+
+
+_READERS: collections.OrderedDict = collections.OrderedDict()
+
+
+def read_variables(objs: list[Any]) -> dict[int, tf.Tensor]:
+    """The values of the variables among ``objs`` (by ``id``), read by one program per mesh: staging
+    then costs one dispatch, not one per variable."""
+    groups: dict[str, list[tuple[Any, tf.Variable]]] = {}
+    for obj in objs:
+        var = _inner_variable(obj)
+        if var is None:
+            continue
+        layout = getattr(var, "layout", None) if isinstance(var, dtensor.DVariable) else None
+        groups.setdefault(layout.mesh.to_string() if layout is not None else "", []).append((obj, var))
+    out: dict[int, tf.Tensor] = {}
+    for pairs in groups.values():
+        variables = [v for _, v in pairs]
+        key = tuple(v._unique_id for v in variables)
+        reader = _READERS.get(key)
+        if reader is None:
+            reader = tf.function(lambda vs=tuple(variables): [v.read_value() for v in vs], autograph=False)
+            _READERS[key] = reader
+            if len(_READERS) > 8:  # the traced readers hold their variables; keep only recent ones
+                _READERS.popitem(last=False)
+        _READERS.move_to_end(key)
+        for (obj, _), value in zip(pairs, reader()):
+            out[id(obj)] = value
+    return out
+
+
+def stage(obj: Any, value: tf.Tensor | None = None) -> Any:
     """Snapshots a state-dict leaf so training may change the original while it is written.
 
     Tensors are immutable, and TF copies a variable's buffer before updating it
-    in place while another tensor still refers to it, so on the host holding
-    the chunks is the snapshot; chunks on a GPU/TPU are copied to host memory.
+    in place while another tensor still refers to it, so on the host the value
+    read now (``value``, if already read) is the snapshot; a sharded value on
+    GPU/TPU is split into this client's chunks, copied to host memory.
     """
     if isinstance(obj, StagedValue):
         return obj
     if not is_tensor_like(obj):
         return copy.deepcopy(obj)
-    t = storable(obj)
+    t = value if value is not None else storable(obj)
+    if is_sharded(t) and spec_of(t).mesh.device_type == "cpu":
+        return t
+    if not is_sharded(t) and "CPU" in (t.device or "CPU").upper():
+        return t
     chunks = local_chunks(t, with_values=True)
     for c in chunks:
-        if "CPU" not in (c.value.device or "CPU").upper():
-            with tf.device("CPU:0"):
-                c.value = tf.identity(c.value)
+        with tf.device("CPU:0"):
+            c.value = tf.identity(c.value)
     return StagedValue(tuple(t.shape), t.dtype, is_sharded(t), chunks)

@@ -79,7 +79,9 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike |
                                    _coordination.DEFAULT_WRITER)
     planner = planner if planner is not None else DefaultSavePlanner()
     group = _dist.Group(no_dist=False)
-    staged = {k: _stage_tree(v) for k, v in _coordination.stateful_values(state_dict).items()}
+    state = _coordination.stateful_values(state_dict)
+    values = _values.read_variables(_leaves(state))
+    staged = {k: _stage_tree(v, values) for k, v in state.items()}
     plan, metadata = _coordination.plan_save(staged, writer, planner, group)
     future: Future = Future()
 
@@ -93,14 +95,22 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike |
     return future
 
 
-def _stage_tree(value: Any) -> Any:
+def _leaves(value: Any) -> list[Any]:
     if isinstance(value, dict):
-        return {k: _stage_tree(v) for k, v in value.items()}
+        return [leaf for v in value.values() for leaf in _leaves(v)]
+    if isinstance(value, (list, tuple)) and not _values.is_tensor_like(value):
+        return [leaf for v in value for leaf in _leaves(v)]
+    return [value]
+
+
+def _stage_tree(value: Any, read: dict[int, Any]) -> Any:
+    if isinstance(value, dict):
+        return {k: _stage_tree(v, read) for k, v in value.items()}
     if isinstance(value, list) and not _values.is_tensor_like(value):
-        return [_stage_tree(v) for v in value]
+        return [_stage_tree(v, read) for v in value]
     if isinstance(value, tuple) and not _values.is_tensor_like(value):
-        return tuple(_stage_tree(v) for v in value)
-    return _values.stage(value)
+        return tuple(_stage_tree(v, read) for v in value)
+    return _values.stage(value, read.get(id(value)))
 
 
 def save_state_dict(state_dict: dict[str, Any], storage_writer: StorageWriter, process_group: Any = None,
