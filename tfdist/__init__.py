@@ -33,6 +33,9 @@ from tfdist._runtime import (
 )
 from tfdist.device_mesh import DeviceMesh, init_device_mesh
 from tfdist.tensor._factory import manual_seed
+from tfdist._runtime import apply_launcher_devices as _apply_launcher_devices
+
+_apply_launcher_devices()
 
 __all__ = [
     "__version__",

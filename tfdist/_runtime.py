@@ -383,3 +383,12 @@ def num_global_devices(device_type: str) -> int:
     if is_multi_client():
         return dtensor.num_global_devices(device_type)
     return len(local_devices(device_type))
+
+
+def apply_launcher_devices() -> None:
+    """A single process that ``tfdist run --devices-per-proc K`` started gets its K CPUs at import
+    (a multi-client one gets them in ``init_distributed``, before the cluster starts)."""
+    cpus = int(os.environ.get("TFDIST_VIRTUAL_CPUS", "0") or 0)
+    if cpus and not is_multi_client():
+        _configure_virtual_cpus(cpus)
+

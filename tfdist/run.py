@@ -116,6 +116,11 @@ def client_environments(args: argparse.Namespace, nodes: Sequence[str]) -> list[
             "MASTER_ADDR": args.master_addr, "MASTER_PORT": str(args.master_port),
             "PYTHONUNBUFFERED": "1",
         })
+        if world == 1:
+            # one client is TF DTensor's local mode: its devices are /job:localhost, and a
+            # DTENSOR_JOB_NAME would make meshes name devices that do not exist
+            for key in ("DTENSOR_CLIENT_ID", "DTENSOR_NUM_CLIENTS", "DTENSOR_JOB_NAME", "DTENSOR_JOBS"):
+                env.pop(key)
         if args.devices_per_proc:
             env["TFDIST_VIRTUAL_CPUS"] = str(args.devices_per_proc)
         if args.device_type == "gpu":

@@ -114,6 +114,9 @@ def test_replicated_values_are_written_once(tmp_path):
                    "s": distribute_tensor(X[:8], mesh, [Shard(0), Replicate()])}, checkpoint_id=tmp_path)
     assert md.state_dict_metadata["r"].chunks == [dcp.ChunkStorageMetadata(offsets=(0, 0), sizes=(10, 12))]
     assert [c.offsets for c in md.state_dict_metadata["s"].chunks] == [(0, 0), (4, 0)]
+    layout = md.planner_data["layouts"]["s"]  # how it was laid out, recorded for the reader of the metadata
+    assert layout["mesh_shape"] == [2, 4] and layout["mesh_dim_names"] == ["dp", "tp"]
+    assert layout["placements"] == [str(Shard(0)), str(Replicate())]
     folder = tmp_path / md.storage_data["folder"]
     data = sum(f.stat().st_size for f in folder.glob("data.data-*"))
     assert data == (10 * 12 + 8 * 12) * 4  # each byte once: no replica stored twice

@@ -2,6 +2,7 @@
 
     checkpoint_roundtrip.py save <dir>   # every client writes its own shards
     checkpoint_roundtrip.py load <dir>   # any number of clients; checked against numpy
+    checkpoint_roundtrip.py broadcast -  # set_model_state_dict(broadcast_from_rank0=True)
 """
 
 import os
@@ -25,6 +26,29 @@ if mode == "save":
     dcp.save(sd, checkpoint_id=path)
     files = sorted(os.listdir(path))
     print(f"OK saved rank {rank} {files}", flush=True)
+elif mode == "broadcast":
+    import keras
+
+    import tfdist.keras  # noqa: F401
+    from tfdist.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+    from tfdist.tensor.parallel import ColwiseParallel, parallelize_module
+
+    model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(20, name="dense")])
+    parallelize_module(model, mesh["tp"], {"dense": ColwiseParallel()})
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    bad = {"dense.kernel": X[:, :12].copy(), "dense.bias": X[0]} if rank == 0 else {}
+    try:  # a wrong shape on rank 0 is refused on every client, before any collective
+        set_model_state_dict(model, bad, options=options)
+        raise AssertionError("no error")
+    except ValueError as e:
+        assert "'dense.kernel' has shape (12, 12)" in str(e), e
+    sd = {"dense.kernel": X.copy(), "dense.bias": X[0]} if rank == 0 else {}
+    set_model_state_dict(model, sd, options=options)
+    got = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    np.testing.assert_array_equal(np.asarray(got["dense.kernel"]), X)
+    np.testing.assert_array_equal(np.asarray(got["dense.bias"]), X[0])
+    tfdist.barrier()
+    print(f"OK broadcast rank {rank}", flush=True)
 else:
     flat = tfdist.init_device_mesh("cpu", (2 * world,), mesh_dim_names=("x",))
     sd = {"w": distribute_tensor(np.zeros_like(X), flat, [Shard(1)]),

@@ -70,7 +70,9 @@ def is_sharded(t: Any) -> bool:
     return dtensor.is_dtensor(t)
 
 
-def spec_of(t: tf.Tensor) -> DTensorSpec:
+def spec_of(t: Any) -> DTensorSpec:
+    if isinstance(t, StagedValue):
+        return t.spec
     return _spec_of_layout(dtensor.fetch_layout(t).to_string(), tuple(t.shape))
 
 
@@ -78,6 +80,15 @@ def spec_of(t: tf.Tensor) -> DTensorSpec:
 def _spec_of_layout(layout_str: str, shape: tuple[int, ...]) -> DTensorSpec:
     layout = dtensor.Layout.from_string(layout_str)
     return DTensorSpec(DeviceMesh.from_tf(layout.mesh), placements_from_tf_layout(layout), shape)
+
+
+def describe_layout(t: Any) -> dict | None:
+    """How a sharded value was laid out when saved (for the metadata; loads do not need it)."""
+    if not is_sharded(t):
+        return None
+    spec = spec_of(t)
+    return {"mesh_shape": list(spec.mesh.shape), "mesh_dim_names": list(spec.mesh.mesh_dim_names or ()),
+            "placements": [str(p) for p in spec.placements]}
 
 
 @dataclasses.dataclass
@@ -175,6 +186,7 @@ class StagedValue:
     dtype: tf.DType
     sharded: bool
     chunks: list[LocalChunk]
+    spec: DTensorSpec | None = None
 
 
 def _inner_variable(obj: Any) -> tf.Variable | None:
@@ -234,4 +246,4 @@ def stage(obj: Any, value: tf.Tensor | None = None) -> Any:
     for c in chunks:
         with tf.device("CPU:0"):
             c.value = tf.identity(c.value)
-    return StagedValue(tuple(t.shape), t.dtype, is_sharded(t), chunks)
+    return StagedValue(tuple(t.shape), t.dtype, is_sharded(t), chunks, spec_of(t) if is_sharded(t) else None)

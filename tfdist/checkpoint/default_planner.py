@@ -127,18 +127,20 @@ class DefaultSavePlanner(SavePlanner):
         return self._storable[fqn]
 
     def create_local_plan(self) -> SavePlan:
-        items = []
+        items, layouts = [], {}
         for fqn, obj in self.state_dict.items():
             if not _values.is_tensor_like(obj):
                 items.append(WriteItem(MetadataIndex(fqn), WriteItemType.BYTE_IO))
                 continue
             t = self._tensor(fqn)
+            if _values.is_sharded(t):
+                layouts[fqn] = _values.describe_layout(t)
             props, size = TensorProperties(t.dtype.name), tuple(t.shape)
             kind = WriteItemType.SHARD if _values.is_sharded(t) else WriteItemType.TENSOR
             for piece in _values.local_chunks(t, with_values=False):
                 items.append(WriteItem(MetadataIndex(fqn, piece.chunk.offsets), kind,
                                        TensorWriteData(piece.chunk, props, size)))
-        return SavePlan(items)
+        return SavePlan(items, planner_data={"layouts": layouts})
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         if self.dedup_replicated_tensors:
@@ -159,7 +161,10 @@ class DefaultSavePlanner(SavePlanner):
         for md in entries.values():
             if isinstance(md, TensorStorageMetadata):
                 md.chunks.sort(key=lambda c: tuple(c.offsets))
-        planner_data = {k: list(v) for k, v in self.mappings.items()} if self.mappings else None
+        layouts: dict[str, Any] = {}
+        for plan in all_plans:
+            layouts.update((plan.planner_data or {}).get("layouts", {}))
+        planner_data = {"mappings": {k: list(v) for k, v in self.mappings.items()}, "layouts": layouts}
         return all_plans, Metadata(entries, planner_data=planner_data)
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:

@@ -228,6 +228,21 @@ def _assign(variable: Any, value: Any, name: str, options: StateDictOptions) -> 
     variable.assign(value)
 
 
+def _check_rank0_shapes(state_dict: dict[str, Any], variables: dict[str, Any], api: str) -> None:
+    """With broadcast_from_rank0, every client learns rank 0's shapes first, so a wrong value raises
+    the same error everywhere instead of a collective failing half-way."""
+    from tfdist.checkpoint._dist import Group
+
+    group = Group(no_dist=False)
+    shapes = {k: tuple(v.shape) if hasattr(v, "shape") else np.shape(v) for k, v in state_dict.items()} \
+        if group.is_coordinator else None
+    shapes = group.broadcast(shapes)
+    for name, shape in shapes.items():
+        if name in variables and shape != tuple(variables[name].shape):
+            raise ValueError(f"{api}: {name!r} has shape {shape} on rank 0, the model's weight is "
+                             f"{tuple(variables[name].shape)}.")
+
+
 def _check_keys(given: set[str], expected: set[str], options: StateDictOptions, what: str) -> _IncompatibleKeys:
     missing, unexpected = sorted(expected - given), sorted(given - expected)
     if options.strict and (missing or unexpected):
@@ -255,6 +270,8 @@ def set_model_state_dict(model: Any, model_state_dict: dict[str, Any], *,
                         f"Received: {type(model_state_dict).__name__}")
     variables = _model_variables(model, options)
     receiving = options.broadcast_from_rank0 and _runtime.get_rank() != 0
+    if options.broadcast_from_rank0:
+        _check_rank0_shapes(model_state_dict, variables, "set_model_state_dict")
     if not receiving:
         result = _check_keys(set(model_state_dict), set(variables), options, "set_model_state_dict")
     else:
