@@ -118,6 +118,69 @@ DIST_CASES = [
 ]
 
 
+def _checkpoint_cases():
+    import tempfile
+
+    import keras
+
+    import tfdist.checkpoint as dcp
+    import tfdist.keras
+    from tfdist.checkpoint import format_utils
+    from tfdist.checkpoint.state_dict import (
+        StateDictOptions, get_model_state_dict, set_model_state_dict, set_optimizer_state_dict,
+    )
+
+    root = tempfile.mkdtemp(prefix="tfdist-sweep-")
+    saved, objects_only = f"{root}/saved", f"{root}/objects"
+    dcp.save({"a": tf.constant(X)}, checkpoint_id=saved)
+    dcp.save({"step": 1}, checkpoint_id=objects_only)
+    two = f"{root}/two"
+    dcp.save({"a": tf.ones(2), "b": tf.ones(3)}, checkpoint_id=two)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2, name="dense")])
+    model.compile(optimizer="adam", loss="mse")
+    return [
+        (lambda: dcp.save([1], checkpoint_id=root), TypeError, "state_dict"),
+        (lambda: dcp.save({"a": 1}), ValueError, "checkpoint_id"),
+        (lambda: dcp.save({"a": 1}, checkpoint_id=123), ValueError, "checkpoint_id"),
+        (lambda: dcp.save({"a": 1}, storage_writer="disk"), TypeError, "StorageWriter"),
+        (lambda: dcp.save({"a": 1}, checkpoint_id=root, process_group=1), ValueError, "process_group"),
+        (lambda: dcp.save({1: tf.ones(2)}, checkpoint_id=f"{root}/k"), TypeError, "keys must be str"),
+        (lambda: dcp.save({"a.b": 1, "a": {"b": 2}}, checkpoint_id=f"{root}/k"), ValueError, "'a.b'"),
+        (lambda: dcp.load({"a": tf.zeros_like(X), "b": tf.zeros(2)}, checkpoint_id=saved), KeyError, "'b'"),
+        (lambda: dcp.load({"a": tf.zeros((8, 6))}, checkpoint_id=saved), ValueError, "'a' has shape"),
+        (lambda: dcp.load({"a": tf.zeros((6, 8), tf.int32)}, checkpoint_id=saved), ValueError, "dtype"),
+        (lambda: dcp.load({"a": "text"}, checkpoint_id=saved), TypeError, "'a'"),
+        (lambda: dcp.load({"a": tf.zeros_like(X)}, checkpoint_id=f"{root}/none"), FileNotFoundError,
+         "no checkpoint"),
+        (lambda: dcp.load({"a": 1}, storage_reader=dcp.FileSystemWriter(saved)), TypeError, "StorageReader"),
+        (lambda: dcp.FileSystemWriter(root, thread_count=0), ValueError, "thread_count"),
+        (lambda: dcp.async_save({"a": 1}, checkpoint_id=root,
+                                async_checkpointer_type=dcp.AsyncCheckpointerType.PROCESS),
+         ValueError, "async_checkpointer_type"),
+        (lambda: get_model_state_dict(model, options=StateDictOptions(broadcast_from_rank0=True)), ValueError,
+         "broadcast_from_rank0"),
+        (lambda: get_model_state_dict(model, options={"full_state_dict": True}), TypeError, "options"),
+        (lambda: get_model_state_dict(object()), TypeError, "model"),
+        (lambda: set_model_state_dict(model, "weights"), TypeError, "model_state_dict"),
+        (lambda: set_model_state_dict(model, {"dense.kernel": np.zeros((2, 4))},
+                                      options=StateDictOptions(strict=False)), ValueError, "'dense.kernel'"),
+        (lambda: set_optimizer_state_dict(model, model.optimizer, {"x": 1}), ValueError, "optim_state_dict"),
+        (lambda: tfdist.keras.DistributedCheckpoint(root, save_freq="daily"), ValueError, "save_freq"),
+        (lambda: tfdist.keras.DistributedCheckpoint(root, keep=-1), ValueError, "keep"),
+        (lambda: format_utils.dcp_to_tf_checkpoint(objects_only, f"{root}/tf/x"), ValueError, "no tensors"),
+        (lambda: format_utils.dcp_to_safetensors(two, f"{root}/x.safetensors", name_map=lambda k: "same"),
+         ValueError, "name_map"),
+    ]
+
+
+CHECKPOINT_CASES = _checkpoint_cases()
+
+
+@pytest.mark.parametrize("fn,exc,fragment", CHECKPOINT_CASES, ids=[f"ckpt-{i}" for i in range(len(CHECKPOINT_CASES))])
+def test_checkpoint_misuse_is_refused_naming_the_argument(fn, exc, fragment):
+    _check(fn, exc, fragment)
+
+
 def _round_trip_still_works():
     d = distribute_tensor(X, MESH, [Shard(0), Shard(1)])
     np.testing.assert_array_equal(d.redistribute(MESH, [Replicate(), Shard(0)]).full_tensor().numpy(), X)
