@@ -1,0 +1,186 @@
+"""tfdist.pipelining: plans equal to torch's, gradients equal to the un-pipelined model's, stages on
+devices and tensor-parallel sub-meshes, microbatches, errors.
+
+References: torch's pipeline_order (fixtures/torch_orders.json, made by
+fixtures/generate_torch_orders.py with torch 2.13), and the same Keras model
+run whole on one device (float64).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_helpers import float64, no_global_distribution  # noqa: F401
+from tfdist.device_mesh import DeviceMesh
+from tfdist.pipelining import (
+    PipelineStage, PipeliningShapeError, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleLoopedBFS,
+    TensorChunkSpec, merge_chunks, split_args_kwargs_into_chunks,
+)
+from tfdist.pipelining import _orders
+from tfdist.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+TORCH = json.loads((pathlib.Path(__file__).parent / "fixtures" / "torch_orders.json").read_text())
+PLANS = {
+    "ScheduleGPipe": lambda r, pp, per, n: _orders.gpipe(r, pp, n),
+    "Schedule1F1B": lambda r, pp, per, n: _orders.one_f_one_b_plan(r, pp, n),
+    "ScheduleInterleaved1F1B": _orders.interleaved_1f1b,
+    "ScheduleLoopedBFS": _orders.looped_bfs,
+}
+CASES = [c for c in TORCH["cases"] if c["schedule"] in PLANS and "pipeline_order" in c]
+RNG = np.random.default_rng(0)
+X, Y = RNG.standard_normal((16, 8)), RNG.standard_normal((16, 8))
+
+
+def mse(y, t):
+    return tf.reduce_mean((y - t) ** 2)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c['schedule']}-pp{c['pp']}-n{c['n_microbatches']}")
+def test_plan_equals_torchs(case):
+    pp, per, n = case["pp"], case["stages_per_rank"], case["n_microbatches"]
+    mine = {str(r): [None if a is None else str(a) for a in PLANS[case["schedule"]](r, pp, per, n)]
+            for r in range(pp)}
+    assert mine == case["pipeline_order"]
+
+
+def blocks(n=4, seed=0):
+    keras.utils.set_random_seed(seed)
+    return [keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh", name="up"),
+                              keras.layers.Dense(8, name="down")], name=f"block{i}") for i in range(n)]
+
+
+def whole(parts):
+    return keras.Sequential([keras.Input((8,))] + parts)
+
+
+def reference_grads():
+    model = whole(blocks())
+    with tf.GradientTape() as tape:
+        loss = mse(model(X), Y)
+    return loss, tape.gradient(loss, model.trainable_variables)
+
+
+def stages_for(schedule, parts):
+    if schedule in (ScheduleGPipe, Schedule1F1B):
+        return [PipelineStage(b, i, 4, f"CPU:{2 * i}") for i, b in enumerate(parts)]
+    return [PipelineStage(b, i, 4, f"CPU:{i % 2}") for i, b in enumerate(parts)]  # 2 ranks x 2 stages
+
+
+@pytest.mark.parametrize("schedule", [ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleLoopedBFS])
+@pytest.mark.parametrize("n", [4, 8])
+def test_gradients_equal_the_unpipelined_model(float64, schedule, n):
+    want_loss, want = reference_grads()
+    stages = stages_for(schedule, blocks())
+    losses = []
+    out = schedule(stages, n, loss_fn=mse).step(X, target=Y, losses=losses)
+    got = [g for s in stages for g in s.grads]
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-12, atol=1e-14)
+    assert len(losses) == n
+    np.testing.assert_allclose(np.mean([l.numpy() for l in losses]), want_loss.numpy(), rtol=1e-12)
+    np.testing.assert_allclose(out.numpy(), whole(blocks())(X).numpy(), rtol=1e-12)
+
+
+def test_unscaled_gradients_are_the_sum_over_microbatches(float64):
+    _, want = reference_grads()
+    stages = stages_for(ScheduleGPipe, blocks())
+    ScheduleGPipe(stages, 4, loss_fn=mse, scale_grads=False).step(X, target=Y)
+    np.testing.assert_allclose(stages[0].grads[0].numpy(), 4 * want[0].numpy(), rtol=1e-12)
+
+
+@pytest.mark.parametrize("schedule,groups", [(Schedule1F1B, 4), (ScheduleInterleaved1F1B, 2)])
+def test_tensor_parallel_stages_train_like_the_unpipelined_model(float64, schedule, groups):
+    # stages on 2-device sub-meshes, each stage Megatron-style tensor parallel inside
+    ref = whole(blocks())
+    ref_opt = keras.optimizers.Adam(1e-2)
+    parts = blocks()
+    stages = []
+    for i, part in enumerate(parts):
+        r = i % groups
+        sub = DeviceMesh("cpu", [2 * r, 2 * r + 1], mesh_dim_names=("tp",))
+        parallelize_module(part, sub, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        stages.append(PipelineStage(part, i, 4, sub))
+    pipe = schedule(stages, 4, loss_fn=mse)
+    opts = [keras.optimizers.Adam(1e-2) for _ in stages]
+    for _ in range(10):
+        with tf.GradientTape() as tape:
+            loss = mse(ref(X), Y)
+        ref_opt.apply(tape.gradient(loss, ref.trainable_variables), ref.trainable_variables)
+        for s in stages:
+            s.zero_grads()
+        pipe.step(X, target=Y)
+        for s, opt in zip(stages, opts):
+            opt.apply(s.grads, s.submod.trainable_variables)
+    got = [v.numpy() for s in stages for v in s.submod.trainable_variables]
+    for a, b in zip(got, [v.numpy() for v in ref.trainable_variables]):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_eval_is_forward_only(float64):
+    stages = stages_for(Schedule1F1B, blocks())
+    out = Schedule1F1B(stages, 4).eval(X)
+    np.testing.assert_allclose(out.numpy(), whole(blocks())(X).numpy(), rtol=1e-12)
+    assert all(s.grads[0] is None for s in stages)
+
+
+def test_executed_order_and_text_plan(float64):
+    stages = stages_for(Schedule1F1B, blocks())
+    pipe = Schedule1F1B(stages, 4, loss_fn=mse)
+    pipe.step(X, target=Y)
+    last = [a for a, _, _ in pipe.executed_order[3]]
+    assert last == ["3F0", "3B0", "3F1", "3B1", "3F2", "3B2", "3F3", "3B3", "3REDUCE_GRAD"]
+    first = [a for a, _, _ in pipe.executed_order[0]]
+    assert first[:4] == ["0F0", "0F1", "0F2", "0F3"]  # 3 warm-up forwards, then 1F1B
+    table = str(pipe)
+    assert table.splitlines()[0].split() == ["Step", "Rank", "0", "Rank", "1", "Rank", "2", "Rank", "3"]
+    for acts in pipe.executed_order.values():  # each rank's actions ran one after the other
+        assert all(end0 <= start1 for (_, _, end0), (_, start1, _) in zip(acts, acts[1:]))
+
+
+def test_microbatch_split_and_merge():
+    x, mask = np.arange(24.0).reshape(8, 3), np.ones((2, 8))
+    args, kwargs = split_args_kwargs_into_chunks((x, mask, 7), {"m": x}, 4,
+                                                 args_chunk_spec=(TensorChunkSpec(0), TensorChunkSpec(1), None))
+    assert len(args) == 4 and args[1][0].shape == (2, 3) and args[1][1].shape == (2, 2) and args[1][2] == 7
+    np.testing.assert_array_equal(merge_chunks([a[0] for a in args]).numpy(), x)
+    np.testing.assert_array_equal(merge_chunks([a[1] for a in args], TensorChunkSpec(1)).numpy(), mask)
+    assert kwargs[3]["m"].shape == (2, 3)
+    with pytest.raises(ValueError, match="batch of 8 .* n_microbatches=3"):
+        split_args_kwargs_into_chunks((x,), {}, 3)
+
+
+def test_shape_mismatch_names_both_stages(float64):
+    parts = blocks()
+    stages = [PipelineStage(b, i, 4, f"CPU:{2 * i}",
+                            output_args=tf.zeros((4, 5), tf.float64) if i == 1 else None)
+              for i, b in enumerate(parts)]
+    with pytest.raises(PipeliningShapeError, match=r"stage 1 outputs \[\(\[4, 8\], 'float64'\)\]"):
+        ScheduleGPipe(stages, 4, loss_fn=mse).step(X, target=Y)
+
+
+def test_bad_arguments_name_the_fix(float64):
+    parts = blocks()
+    stages = stages_for(Schedule1F1B, parts)
+    with pytest.raises(ValueError, match="n_microbatches=2: 1F1B needs at least as many microbatches as stages"):
+        Schedule1F1B(stages, 2, loss_fn=mse)
+    with pytest.raises(ValueError, match="n_microbatches must be a positive int"):
+        ScheduleGPipe(stages, 0, loss_fn=mse)
+    with pytest.raises(ValueError, match="needs loss_fn"):
+        ScheduleGPipe(stages, 4).step(X, target=Y)
+    with pytest.raises(ValueError, match="every stage of the pipeline"):
+        ScheduleGPipe(stages[:3], 4, loss_fn=mse)
+    overlapping = [PipelineStage(b, i, 4, "CPU:0" if i < 2 else f"CPU:{i}") for i, b in enumerate(parts)]
+    with pytest.raises(ValueError, match="stages on overlapping devices"):
+        ScheduleGPipe(overlapping, 4, loss_fn=mse)
+    with pytest.raises(ValueError, match="stage_index must be in"):
+        PipelineStage(parts[0], 4, 4, "CPU:0")
+    with pytest.raises(TypeError, match="device must be"):
+        PipelineStage(parts[0], 0, 4, 3)
+    with pytest.raises(ValueError, match="multiple of"):
+        ScheduleInterleaved1F1B(stages_for(ScheduleInterleaved1F1B, parts), 5, loss_fn=mse)  # 2 rounds of 2.5

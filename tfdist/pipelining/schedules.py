@@ -1,0 +1,307 @@
+"""Pipeline schedules (torch.distributed.pipelining.schedules).
+
+A schedule's plan is data: ``pipeline_order[rank]`` lists that pipeline
+rank's actions per time step (``None`` idle), in torch's ``_Action`` string
+form, equal to torch's plan for the same schedule, pipeline size, stages per
+rank and microbatch count.  ``step()`` runs the plan over the stages this
+process holds: every rank's queue in its order, an action starting once what
+it needs exists (the previous stage's output for a forward, the next stage's
+input gradient for a backward).  ``executed_order`` records what ran, per
+rank, with start and end times.
+
+One process holds every stage of a pipeline here (all ranks of the plan);
+stages of different ranks live on different devices or sub-meshes.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Sequence
+
+import tensorflow as tf
+
+from tfdist.pipelining import _orders
+from tfdist.pipelining._actions import B, F, I, REDUCE_GRAD, W, Action, format_pipeline_order
+from tfdist.pipelining.microbatch import TensorChunkSpec, merge_chunks, split_args_kwargs_into_chunks
+from tfdist.pipelining.stage import PipelineStage
+
+__all__ = [
+    "PipelineScheduleSingle", "PipelineScheduleMulti", "ScheduleGPipe", "Schedule1F1B",
+    "ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
+]
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int. Received: {name}={value!r}")
+    return value
+
+
+class _PipelineSchedule:
+    def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int, loss_fn: Callable | None,
+                 args_chunk_spec: tuple | None, kwargs_chunk_spec: dict | None, output_merge_spec: Any,
+                 scale_grads: bool) -> None:
+        self._n_microbatches = _positive_int("n_microbatches", n_microbatches)
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable (output, target) -> loss. Received: {loss_fn!r}")
+        for s in stages:
+            if not isinstance(s, PipelineStage):
+                raise TypeError(f"stages must be PipelineStage objects. Received: {type(s).__name__}")
+        self._loss_fn = loss_fn
+        self._args_chunk_spec, self._kwargs_chunk_spec = args_chunk_spec, kwargs_chunk_spec
+        self._output_merge_spec = output_merge_spec
+        self.scale_grads = scale_grads
+        self._stages = sorted(stages, key=lambda s: s.stage_index)
+        self._num_stages = self._stages[0].num_stages
+        self.executed_order: dict[int, list[tuple[str, float, float]]] = {}
+
+    # -- the plan ----------------------------------------------------------------------------------
+    def _rank_of(self, stage_index: int) -> int:
+        raise NotImplementedError
+
+    def _execution_order(self) -> dict[int, list[Action | None]]:
+        return self.pipeline_order
+
+    def __str__(self) -> str:
+        return format_pipeline_order(self.pipeline_order)
+
+    def _check_stages(self) -> None:
+        indices = [s.stage_index for s in self._stages]
+        if sorted(indices) != list(range(self._num_stages)):
+            raise ValueError(
+                f"stages: this process must hold every stage of the pipeline (0..{self._num_stages - 1}); "
+                f"received stages {indices}."
+            )
+        if any(s.num_stages != self._num_stages for s in self._stages):
+            raise ValueError("stages: every stage must be built with the same num_stages.")
+        owner: dict[str, int] = {}
+        for s in self._stages:
+            rank = self._rank_of(s.stage_index)
+            for device in s.device_key.split(":", 1)[1].split(","):
+                if owner.setdefault(device, rank) != rank:
+                    raise ValueError(
+                        f"stages on overlapping devices: stage {s.stage_index} (pipeline rank {rank}) uses {device}, "
+                        f"which pipeline rank {owner[device]} uses too. Give each pipeline rank its own devices."
+                    )
+
+    # -- running -------------------------------------------------------------------------------------
+    def step(self, *args: Any, target: Any = None, losses: list | None = None, **kwargs: Any) -> Any:
+        """One training iteration on a whole batch: split into microbatches, run the plan, leave the
+        gradients in each stage's ``grads``; returns the last stage's merged output.
+
+        Example::
+
+            schedule.step(x, target=y, losses=losses)
+            optimizer.apply(stage.grads, stage.submod.trainable_variables)
+        """
+        if self._loss_fn is None:
+            raise ValueError("step() trains and needs loss_fn=(output, target) -> loss on the schedule; "
+                             "for forward only, call eval().")
+        if target is None:
+            raise ValueError("step(): pass target=... for the last stage's loss_fn.")
+        self._run(args, kwargs, target, backward=True)
+        if losses is not None:
+            last = self._stages[-1]
+            losses.extend(last.losses[m] for m in range(self._n_microbatches))
+        return merge_chunks(self._stages[-1].output_chunks, self._output_merge_spec)
+
+    def eval(self, *args: Any, **kwargs: Any) -> Any:
+        """Forward only, every microbatch in the plan's forward order; returns the merged output."""
+        self._run(args, kwargs, None, backward=False)
+        return merge_chunks(self._stages[-1].output_chunks, self._output_merge_spec)
+
+    def _run(self, args: tuple, kwargs: dict, target: Any, backward: bool) -> None:
+        n = self._n_microbatches
+        args_split, kwargs_split = split_args_kwargs_into_chunks(
+            args, kwargs, n, self._args_chunk_spec, self._kwargs_chunk_spec)
+        if kwargs_split and kwargs_split[0]:
+            raise ValueError("step(): keyword inputs are not supported by tfdist stages; pass tensors positionally.")
+        targets = split_args_kwargs_into_chunks((target,), {}, n)[0] if target is not None else None
+        for s in self._stages:
+            s.clear_runtime_states()
+        order = self._execution_order()
+        queues = {r: [a for a in acts if a is not None and (backward or a.computation_type == F)]
+                  for r, acts in order.items()}
+        done: set[tuple[int, str, int | None]] = set()
+        self.executed_order = {r: [] for r in queues}
+        start = time.perf_counter()
+        while any(queues.values()):
+            progressed = False
+            for rank in sorted(queues):
+                queue = queues[rank]
+                if queue and self._ready(queue[0], done):
+                    action = queue.pop(0)
+                    t0 = time.perf_counter() - start
+                    self._do(action, args_split, targets, done)
+                    self.executed_order[rank].append((str(action), t0, time.perf_counter() - start))
+                    progressed = True
+            if not progressed:
+                heads = {r: str(q[0]) for r, q in queues.items() if q}
+                raise RuntimeError(f"pipeline plan cannot proceed: waiting actions {heads}")
+        if backward:  # plans without REDUCE_GRAD steps (the multi-stage ones) reduce at the end, as torch
+            for s in self._stages:
+                if (s.stage_index, "reduced", None) not in done:
+                    s.scale_grads(n if self.scale_grads else 1)
+
+    def _ready(self, a: Action, done: set) -> bool:
+        s, kind, m = a.stage_index, a.computation_type, a.microbatch_index
+        if kind == F:
+            return s == 0 or (s - 1, "F", m) in done
+        if kind in (B, I):
+            return (s, "F", m) in done and (s == self._num_stages - 1 or (s + 1, "dx", m) in done)
+        if kind == W:
+            return (s, "I", m) in done
+        if kind == REDUCE_GRAD:
+            return all((s, "w", k) in done for k in range(self._n_microbatches))
+        return True
+
+    def _do(self, a: Action, args_split: list, targets: list | None, done: set) -> None:
+        s, kind, m = a.stage_index, a.computation_type, a.microbatch_index
+        stage = self._stages[s]
+        if kind == F:
+            inputs = args_split[m] if s == 0 else (self._stages[s - 1].outputs[m],)
+            out = stage.forward_one_chunk(m, tuple(inputs))
+            if stage.is_last:
+                stage.output_chunks.append(out)
+                if targets is not None:
+                    stage.compute_loss(m, self._loss_fn, targets[m][0])
+            done.add((s, "F", m))
+            return
+        if kind == REDUCE_GRAD:
+            stage.scale_grads(self._n_microbatches if self.scale_grads else 1)
+            done.add((s, "reduced", None))
+            return
+        if kind in (B, I) and not stage.is_last:
+            stage.output_grads[m] = stage.place(self._stages[s + 1].input_grads[m][0])
+        loss_fn = self._loss_fn if stage.is_last else None
+        stage.backward_one_chunk(m, loss_fn, inputs=kind in (B, I), weights=kind in (B, W))
+        if kind in (B, I):
+            done.add((s, "I", m))
+            done.add((s, "dx", m))
+        if kind in (B, W):
+            done.add((s, "w", m))
+
+
+class PipelineScheduleSingle(_PipelineSchedule):
+    """Schedules with one stage per pipeline rank.  Pass the stage, or (one process holding the whole
+    pipeline) the list of all stages."""
+
+    def __init__(self, stage: PipelineStage | Sequence[PipelineStage], n_microbatches: int,
+                 loss_fn: Callable | None = None, args_chunk_spec: tuple[TensorChunkSpec, ...] | None = None,
+                 kwargs_chunk_spec: dict[str, TensorChunkSpec] | None = None, output_merge_spec: Any = None,
+                 scale_grads: bool = True) -> None:
+        stages = list(stage) if isinstance(stage, (list, tuple)) else [stage]
+        super().__init__(stages, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec,
+                         scale_grads)
+        self.pp_group_size = self._num_stages
+        self._check_stages()
+        self.pipeline_order = {r: self._plan(r) for r in range(self.pp_group_size)}
+
+    def _rank_of(self, stage_index: int) -> int:
+        return stage_index
+
+    def _plan(self, rank: int) -> list[Action | None]:
+        raise NotImplementedError
+
+
+class ScheduleGPipe(PipelineScheduleSingle):
+    """GPipe: every microbatch's forward, then every backward.
+
+    Example::
+
+        stages = [PipelineStage(block, i, 4, f"CPU:{2 * i}") for i, block in enumerate(blocks)]
+        schedule = ScheduleGPipe(stages, n_microbatches=8, loss_fn=mse)
+        schedule.step(x, target=y)
+    """
+
+    def _plan(self, rank: int) -> list[Action | None]:
+        return _orders.gpipe(rank, self.pp_group_size, self._n_microbatches)
+
+
+class Schedule1F1B(PipelineScheduleSingle):
+    """1F1B: after a warm-up, each rank alternates one forward and one backward, so at most
+    ``num_stages - rank`` microbatch inputs are held per stage (GPipe holds all of them).
+
+    ``pipeline_order`` is torch's plan, identical to it; torch 2.13's plan numbers the last rank's
+    forwards 1..n (see ``tfdist.pipelining._orders.one_f_one_b_plan``), the run uses 0..n-1.
+    """
+
+    def __init__(self, stage: Any, n_microbatches: int, *args: Any, **kwargs: Any) -> None:
+        num = (stage[0] if isinstance(stage, (list, tuple)) else stage).num_stages
+        if isinstance(n_microbatches, int) and n_microbatches < num:
+            raise ValueError(
+                f"n_microbatches={n_microbatches}: 1F1B needs at least as many microbatches as stages ({num}); "
+                f"use ScheduleGPipe or n_microbatches >= {num}."
+            )
+        super().__init__(stage, n_microbatches, *args, **kwargs)
+
+    def _plan(self, rank: int) -> list[Action | None]:
+        return _orders.one_f_one_b_plan(rank, self.pp_group_size, self._n_microbatches)
+
+    def _execution_order(self) -> dict[int, list[Action | None]]:
+        return {r: _orders.one_f_one_b_execution(r, self.pp_group_size, self._n_microbatches)
+                for r in range(self.pp_group_size)}
+
+
+class PipelineScheduleMulti(_PipelineSchedule):
+    """Schedules with several stages per pipeline rank: rank ``r`` holds stages ``r, r + pp, ...``;
+    ``pp`` is the number of distinct device groups among the stages."""
+
+    def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int, loss_fn: Callable | None = None,
+                 args_chunk_spec: tuple[TensorChunkSpec, ...] | None = None,
+                 kwargs_chunk_spec: dict[str, TensorChunkSpec] | None = None, output_merge_spec: Any = None,
+                 scale_grads: bool = True) -> None:
+        if not isinstance(stages, (list, tuple)) or not stages:
+            raise TypeError(f"stages must be a non-empty list of PipelineStage. Received: {stages!r}")
+        super().__init__(stages, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec,
+                         scale_grads)
+        groups = {s.device_key for s in self._stages}
+        if self._num_stages % len(groups):
+            raise ValueError(
+                f"stages: {self._num_stages} stages on {len(groups)} device groups; every pipeline rank needs the "
+                "same number of stages."
+            )
+        self.pp_group_size = len(groups)
+        self.n_local_stages = self._num_stages // self.pp_group_size
+        for s in self._stages:  # stage r and r + pp must share a device group
+            same = self._stages[self._rank_of(s.stage_index)].device_key
+            if s.device_key != same:
+                raise ValueError(
+                    f"stages: stage {s.stage_index} belongs to pipeline rank {self._rank_of(s.stage_index)} "
+                    f"(stages r, r + {self.pp_group_size}, ... share a rank's devices) but is on other devices."
+                )
+        self._check_stages()
+        self.pipeline_order = {r: self._plan(r) for r in range(self.pp_group_size)}
+
+    def _rank_of(self, stage_index: int) -> int:
+        return stage_index % self.pp_group_size
+
+    def _plan(self, rank: int) -> list[Action | None]:
+        raise NotImplementedError
+
+
+class ScheduleInterleaved1F1B(PipelineScheduleMulti):
+    """Interleaved 1F1B (Megatron's virtual stages): depth first over each rank's stages.
+
+    Example::
+
+        # 2 pipeline ranks, 2 stages each: rank 0 holds stages 0 and 2, rank 1 stages 1 and 3
+        stages = [PipelineStage(blocks[i], i, 4, mesh_of_rank[i % 2]) for i in range(4)]
+        ScheduleInterleaved1F1B(stages, n_microbatches=4, loss_fn=mse).step(x, target=y)
+    """
+
+    def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int, *args: Any, **kwargs: Any) -> None:
+        if isinstance(n_microbatches, int) and n_microbatches > 0:
+            groups = len({s.device_key for s in stages}) if isinstance(stages, (list, tuple)) else 1
+            _orders.interleaved_rounds(max(groups, 1), n_microbatches)
+        super().__init__(stages, n_microbatches, *args, **kwargs)
+
+    def _plan(self, rank: int) -> list[Action | None]:
+        return _orders.interleaved_1f1b(rank, self.pp_group_size, self.n_local_stages, self._n_microbatches)
+
+
+class ScheduleLoopedBFS(PipelineScheduleMulti):
+    """Looped breadth-first: every microbatch through a rank's earlier stage before its later one."""
+
+    def _plan(self, rank: int) -> list[Action | None]:
+        return _orders.looped_bfs(rank, self.pp_group_size, self.n_local_stages, self._n_microbatches)

@@ -1,0 +1,226 @@
+"""PipelineStage: one piece of a model on its own device or sub-mesh (torch.distributed.pipelining.stage).
+
+Each stage runs compiled TensorFlow programs on its devices: a forward, a
+full backward, and the backward split into its input part (``I``) and weight
+part (``W``) for the zero-bubble schedules.  TensorFlow cannot keep a
+``GradientTape`` open from one compiled program to the next, so a stage keeps
+each microbatch's *input* and its backward programs run the stage's forward
+again under a tape (activation recomputation, as ``torch.utils.checkpoint``
+does); what a stage holds between its forward and backward is its inputs,
+not its activations.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from tfdist.device_mesh import DeviceMesh
+
+__all__ = ["PipelineStage", "PipeliningShapeError"]
+
+
+class PipeliningShapeError(RuntimeError):
+    """A stage produced (or received) a tensor whose shape or dtype is not the one expected."""
+
+
+def _spec(t: Any) -> tuple[tuple[int | None, ...], str]:
+    return tuple(t.shape), tf.as_dtype(t.dtype).name
+
+
+def _device_key(device: Any) -> str:
+    if isinstance(device, DeviceMesh):
+        return "mesh:" + ",".join(sorted(device.to_tf().local_devices()))
+    return "device:" + tf.DeviceSpec.from_string(device).to_string()
+
+
+class PipelineStage:
+    """Stage ``stage_index`` of ``num_stages``: ``submodule`` run on ``device``.
+
+    Args:
+        submodule: the Keras layer or model of this stage (its input is the
+            previous stage's output).
+        stage_index, num_stages: this stage's place in the pipeline.
+        device: a device name (``"CPU:3"``, ``"GPU:1"``) or a ``DeviceMesh``
+            (a sub-mesh, on which the submodule may be tensor parallel or FSDP).
+        input_args, output_args: example tensors (or ``tf.TensorSpec`` s) of
+            one microbatch's input and output; given, every microbatch is
+            checked against them (``PipeliningShapeError``), else the first
+            microbatch's shapes are recorded and later ones checked.
+        group: accepted for torch compatibility (one process holds all the
+            stages of a pipeline rank; see the schedules).
+
+    After a schedule's ``step``, ``grads`` holds the gradients of
+    ``submodule.trainable_variables`` (summed over microbatches, divided by
+    their number when the schedule's ``scale_grads``), ``zero_grads()`` clears them.
+
+    Example::
+
+        stage = PipelineStage(blocks[0], 0, 4, device="CPU:0")
+    """
+
+    def __init__(self, submodule: Any, stage_index: int, num_stages: int, device: Any,
+                 input_args: Any = None, output_args: Any = None, group: Any = None,
+                 dw_builder: Callable | None = None) -> None:
+        if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+            raise ValueError(f"num_stages must be a positive int. Received: num_stages={num_stages!r}")
+        if isinstance(stage_index, bool) or not isinstance(stage_index, int) or not 0 <= stage_index < num_stages:
+            raise ValueError(f"stage_index must be in [0, {num_stages}). Received: stage_index={stage_index!r}")
+        if not callable(submodule):
+            raise TypeError(f"submodule must be a Keras layer or model. Received: {type(submodule).__name__}")
+        if not isinstance(device, (str, DeviceMesh)):
+            raise TypeError(f"device must be a device name or a DeviceMesh. Received: device={device!r}")
+        self.submod = submodule
+        self.stage_index, self.num_stages = stage_index, num_stages
+        self.device = device
+        self.device_key = _device_key(device)
+        self.group = group
+        self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
+        self._expected_in = self._specs(input_args)
+        self._expected_out = self._specs(output_args)
+        self.grads: list[tf.Tensor | None] = []
+        self._programs: dict[str, Callable] = {}
+        self.clear_runtime_states()
+
+    # -- bookkeeping -------------------------------------------------------------------------------
+    @staticmethod
+    def _specs(example: Any) -> tuple | None:
+        if example is None:
+            return None
+        items = example if isinstance(example, (tuple, list)) else (example,)
+        return tuple(_spec(t) for t in items)
+
+    @property
+    def trainable_variables(self) -> list[Any]:
+        return list(self.submod.trainable_variables)
+
+    def zero_grads(self) -> None:
+        """Forgets the accumulated gradients."""
+        self.grads = [None] * len(self.trainable_variables)
+
+    def clear_runtime_states(self) -> None:
+        """Drops the microbatch inputs, outputs and gradients kept by the last step (not ``grads``)."""
+        self.inputs: dict[int, tuple] = {}
+        self.outputs: dict[int, Any] = {}
+        self.output_grads: dict[int, Any] = {}
+        self.input_grads: dict[int, tuple] = {}
+        self.losses: dict[int, tf.Tensor] = {}
+        self.targets: dict[int, Any] = {}
+        self.output_chunks: list[Any] = []
+        if len(self.grads) != len(self.trainable_variables):
+            self.zero_grads()
+
+    def _check(self, tensors: tuple, expected: tuple | None, what: str, neighbour: str) -> tuple:
+        got = tuple(_spec(t) for t in tensors)
+        if expected is None:
+            return got
+        if len(got) != len(expected) or any(
+            g[1] != e[1] or len(g[0]) != len(e[0]) or any(a is not None and b is not None and a != b
+                                                         for a, b in zip(g[0], e[0]))
+            for g, e in zip(got, expected)
+        ):
+            raise PipeliningShapeError(
+                f"stage {self.stage_index} {what} {[(list(s), d) for s, d in got]}, but "
+                f"{neighbour} expects {[(list(s), d) for s, d in expected]}."
+            )
+        return expected
+
+    # -- placement ---------------------------------------------------------------------------------
+    def place(self, t: Any) -> Any:
+        """``t`` moved onto this stage's devices (replicated on a sub-mesh)."""
+        if isinstance(self.device, DeviceMesh):
+            mesh = self.device.to_tf()
+            if dtensor.is_dtensor(t):
+                source = dtensor.fetch_layout(t)
+                if source.mesh == mesh:
+                    return t
+                if not source.is_fully_replicated():
+                    t = dtensor.relayout(t, dtensor.Layout.replicated(source.mesh, t.shape.rank))
+                # TF DTensor copies only replicated tensors between meshes
+                return dtensor.copy_to_mesh(t, dtensor.Layout.replicated(mesh, t.shape.rank))
+            return dtensor.copy_to_mesh(tf.convert_to_tensor(t), dtensor.Layout.replicated(mesh, t.shape.rank))
+        if dtensor.is_dtensor(t):
+            layout = dtensor.fetch_layout(t)
+            if not layout.is_fully_replicated():
+                t = dtensor.relayout(t, dtensor.Layout.replicated(layout.mesh, t.shape.rank))
+            t = dtensor.unpack(t)[0]
+        with tf.device(self.device):
+            return tf.identity(t)
+
+    # -- compiled programs ----------------------------------------------------------------------------
+    def _program(self, name: str, build: Callable[[], Callable]) -> Callable:
+        if name not in self._programs:
+            self._programs[name] = tf.function(build(), autograph=False, reduce_retracing=True)
+        return self._programs[name]
+
+    def _run(self, fn: Callable, *args: Any) -> Any:
+        if isinstance(self.device, DeviceMesh):
+            return fn(*args)
+        with tf.device(self.device):
+            return fn(*args)
+
+    def forward_one_chunk(self, microbatch: int, args: tuple) -> Any:
+        """Runs the forward of one microbatch; keeps its input for the backward."""
+        args = tuple(self.place(a) for a in args)
+        self._expected_in = self._check(args, self._expected_in, "receives",
+                                        "its input_args" if self.stage_index == 0 else f"stage {self.stage_index}")
+        fn = self._program("forward", lambda: lambda *xs: self.submod(*xs))
+        out = self._run(fn, *args)
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        self._expected_out = self._check(tuple(outs), self._expected_out, "outputs", "its output_args")
+        self.inputs[microbatch] = args
+        self.outputs[microbatch] = out
+        return out
+
+    def compute_loss(self, microbatch: int, loss_fn: Callable, target: Any) -> tf.Tensor:
+        """The last stage's loss on one microbatch (kept for its backward)."""
+        target = self.place(target) if target is not None else None
+        fn = self._program("loss", lambda: lambda y, t: loss_fn(y, t))
+        loss = self._run(fn, self.outputs[microbatch], target)
+        self.losses[microbatch], self.targets[microbatch] = loss, target
+        return loss
+
+    def _recompute(self, microbatch: int, loss_fn: Callable | None) -> Callable:
+        def backward(args, target, dy, want_inputs: bool, want_weights: bool):
+            variables = self.trainable_variables
+            with tf.GradientTape() as tape:
+                for a in args:
+                    tape.watch(a)
+                out = self.submod(*args)
+                if loss_fn is not None:
+                    out = loss_fn(out, target)
+            sources = (list(args) if want_inputs else []) + (variables if want_weights else [])
+            grads = tape.gradient(out, sources, output_gradients=dy,
+                                  unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            n_in = len(args) if want_inputs else 0
+            return grads[:n_in], grads[n_in:]
+        return backward
+
+    def backward_one_chunk(self, microbatch: int, loss_fn: Callable | None = None, *, inputs: bool = True,
+                           weights: bool = True) -> None:
+        """The backward of one microbatch: the full one, or only its input (``I``) or weight (``W``) part."""
+        if microbatch not in self.inputs:
+            raise RuntimeError(f"stage {self.stage_index}: backward of microbatch {microbatch} before its forward")
+        last = self.is_last and loss_fn is not None
+        if last:
+            dy = None
+        else:
+            if microbatch not in self.output_grads:
+                raise RuntimeError(f"stage {self.stage_index}: no output gradient for microbatch {microbatch}")
+            dy = self.output_grads[microbatch]
+        key = f"backward-{int(inputs)}{int(weights)}-{int(last)}"
+        impl = self._recompute(microbatch, loss_fn if last else None)
+        fn = self._program(key, lambda: lambda a, t, g: impl(a, t, g, inputs, weights))
+        d_in, d_w = self._run(fn, self.inputs[microbatch], self.targets.get(microbatch) if last else None, dy)
+        if inputs:
+            self.input_grads[microbatch] = tuple(d_in)
+        if weights:
+            self.grads = [g if acc is None else acc + g for acc, g in zip(self.grads, d_w)]
+            if inputs or microbatch in self.input_grads:
+                self.inputs.pop(microbatch, None)
+
+    def scale_grads(self, divisor: int) -> None:
+        if divisor != 1:
+            self.grads = [None if g is None else g / divisor for g in self.grads]
