@@ -13,12 +13,12 @@ from tfdist.pipelining._actions import Action, ComputationType, format_pipeline_
 from tfdist.pipelining.microbatch import TensorChunkSpec, merge_chunks, split_args_kwargs_into_chunks
 from tfdist.pipelining.schedules import (
     PipelineScheduleMulti, PipelineScheduleSingle, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-    ScheduleLoopedBFS,
+    ScheduleInterleavedZeroBubble, ScheduleLoopedBFS, ScheduleZBVZeroBubble,
 )
 from tfdist.pipelining.stage import PipelineStage, PipeliningShapeError
 
 __all__ = [
     "PipelineStage", "PipeliningShapeError", "TensorChunkSpec", "split_args_kwargs_into_chunks", "merge_chunks",
     "PipelineScheduleSingle", "PipelineScheduleMulti", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
-    "ScheduleLoopedBFS", "Action", "ComputationType", "format_pipeline_order",
+    "ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "Action", "ComputationType", "format_pipeline_order",
 ]

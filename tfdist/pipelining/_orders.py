@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from tfdist.pipelining._actions import B, F, REDUCE_GRAD, W, Action
+from tfdist.pipelining._actions import B, F, I, REDUCE_GRAD, W, Action
 
 Order = list  # of Action | None
 
@@ -100,13 +100,21 @@ def interleaved_rounds(pp: int, n: int) -> int:
     return n // rounds
 
 
-def interleaved_1f1b(rank: int, pp: int, n_local: int, n: int) -> Order:
-    """Depth first over the rank's stages, one forward one backward in the steady state."""
+def interleaved(rank: int, pp: int, n_local: int, n: int, zero_bubble: bool = False) -> Order:
+    """Depth first over the rank's stages, one forward one backward in the steady state.
+
+    ``zero_bubble``: the backward is split into its input part (``I``, on the
+    critical path) and weight part (``W``), and the weight parts fill what
+    would be idle steps (warm-up of one forward per hop instead of two; a rank
+    starts deferring ``W`` after ``rank`` steady pairs).
+    """
     per_round = interleaved_rounds(pp, n)
-    warmup = min((n_local - 1) * per_round + 2 * (pp - 1 - rank), n * n_local)
+    hop = 1 if zero_bubble else 2
+    warmup = min((n_local - 1) * per_round + hop * (pp - 1 - rank), n * n_local)
     total = n * n_local + warmup  # warm-up forwards, steady pairs, cool-down backwards
-    steady_end = n * n_local  # warmup + (microbatch ops - warmup)
-    after_warmup = (n_local * pp + 2 * (pp - 1 - rank)) - (warmup + rank)
+    steady_end = n * n_local
+    after_warmup = (pp - rank - 1) if zero_bubble else (n_local * pp + 2 * (pp - 1 - rank)) - (warmup + rank)
+    backward_kind = I if zero_bubble else B
 
     def forward_stage(op: int) -> int:
         return ((op // per_round) % n_local) * pp + rank
@@ -114,24 +122,136 @@ def interleaved_1f1b(rank: int, pp: int, n_local: int, n: int) -> Order:
     def backward_stage(op: int) -> int:
         return (n_local - 1 - ((op - warmup) // per_round) % n_local) * pp + rank
 
-    fwd_mb: dict[int, int] = defaultdict(int)
-    bwd_mb: dict[int, int] = defaultdict(int)
+    counters: dict[str, dict[int, int]] = {"F": defaultdict(int), "B": defaultdict(int), "W": defaultdict(int)}
 
-    def next_mb(counter: dict[int, int], stage: int) -> int:
-        counter[stage] += 1
-        return counter[stage] - 1
+    def act(kind, stage: int) -> Action:
+        key = "F" if kind == F else "W" if kind == W else "B"
+        counters[key][stage] += 1
+        return Action(stage, kind, counters[key][stage] - 1)
 
     actions: Order = [None] * rank
+    backward_ops: list[int] = []
+    weights_done = 0
+
+    def deferred_weight(op: int) -> None:
+        nonlocal weights_done
+        if zero_bubble and op - warmup >= rank:
+            actions.append(act(W, backward_stage(backward_ops[weights_done])))
+            weights_done += 1
+
     for op in range(total):
         if op < warmup:
-            s = forward_stage(op)
-            actions.append(Action(s, F, next_mb(fwd_mb, s)))
+            actions.append(act(F, forward_stage(op)))
             if op == warmup - 1:
                 actions += [None] * after_warmup
         elif op < steady_end:
-            s, t = forward_stage(op), backward_stage(op)
-            actions += [Action(s, F, next_mb(fwd_mb, s)), Action(t, B, next_mb(bwd_mb, t))]
+            actions += [act(F, forward_stage(op)), act(backward_kind, backward_stage(op))]
+            backward_ops.append(op)
+            deferred_weight(op)
         else:
-            t = backward_stage(op)
-            actions += [None, Action(t, B, next_mb(bwd_mb, t))]
+            if not zero_bubble:
+                actions.append(None)
+            actions.append(act(backward_kind, backward_stage(op)))
+            backward_ops.append(op)
+            deferred_weight(op)
+    while zero_bubble and weights_done < len(backward_ops):
+        actions.append(act(W, backward_stage(backward_ops[weights_done])))
+        weights_done += 1
     return actions
+
+
+def interleaved_1f1b(rank: int, pp: int, n_local: int, n: int) -> Order:
+    return interleaved(rank, pp, n_local, n, zero_bubble=False)
+
+
+def with_forward_bubbles(plans: dict[int, Order], num_stages: int) -> dict[int, Order]:
+    """Steps the ranks' plans together, inserting an idle step wherever a forward would run before
+    the previous stage's forward of that microbatch ran in an earlier step (torch's bubble pass of
+    the interleaved zero-bubble schedule)."""
+    seen: set[tuple[int, object, int]] = set()
+    out: dict[int, Order] = {r: [] for r in plans}
+    pointer = {r: 0 for r in plans}
+    while True:
+        active = False
+        now: set[tuple[int, object, int]] = set()
+        for r in sorted(plans):
+            if pointer[r] >= len(plans[r]):
+                continue
+            active = True
+            a = plans[r][pointer[r]]
+            if a is None:
+                out[r].append(None)
+                pointer[r] += 1
+                continue
+            blocked = a.computation_type == F and a.stage_index != 0 and \
+                (a.stage_index - 1, F, a.microbatch_index) not in seen
+            blocked = blocked or (a.computation_type == B and (
+                (a.stage_index, F, a.microbatch_index) not in seen if a.stage_index == num_stages - 1
+                else (a.stage_index + 1, B, a.microbatch_index) not in seen))
+            if blocked:
+                out[r].append(None)
+            else:
+                out[r].append(a)
+                if a.microbatch_index is not None:
+                    now.add((a.stage_index, a.computation_type, a.microbatch_index))
+                pointer[r] += 1
+        seen |= now
+        if not active:
+            return out
+
+
+def interleaved_zero_bubble(pp: int, n_local: int, n: int) -> dict[int, Order]:
+    plans = {r: interleaved(r, pp, n_local, n, zero_bubble=True) for r in range(pp)}
+    return with_forward_bubbles(plans, pp * n_local)
+
+
+def zbv(rank: int, pp: int, n: int) -> Order:
+    """The V-shaped zero-bubble schedule: rank ``r`` holds stages ``r`` and ``2 pp - 1 - r``."""
+    n_micro = max(2 * pp - 1, n)
+    first, second = rank, 2 * pp - 1 - rank
+    count = {k: 0 for k in ("f0", "f1", "b0", "b1")}
+    actions: Order = [None] * rank
+
+    def add(stage: int, kind, key: str | None, mb: int | None = None) -> None:
+        if key is not None:
+            mb = count[key]
+            count[key] += 1
+        actions.append(Action(stage, kind, mb))
+
+    for _ in range(2 * (pp - rank) - 1):
+        add(first, F, "f0")
+    for _ in range(rank):
+        add(second, F, "f1")
+        add(first, F, "f0")
+    for _ in range(pp - rank):
+        add(second, F, "f1")
+        b = count["b1"]
+        add(second, I, "b1")
+        add(second, W, None, b)
+    while count["f1"] < count["f0"] or count["f0"] < n_micro:
+        if count["f0"] < n_micro:
+            add(first, F, "f0")
+        b = count["b0"]
+        add(first, I, "b0")
+        add(first, W, None, b)
+        add(second, F, "f1")
+        b = count["b1"]
+        add(second, I, "b1")
+        add(second, W, None, b)
+    w0, w1 = count["b0"], count["b1"]
+    for _ in range(rank):
+        add(first, I, "b0")
+        add(second, I, "b1")
+    for _ in range(pp - rank):
+        add(first, I, "b0")
+        add(first, W, None, w0)
+        w0 += 1
+    while w1 < count["b1"]:
+        add(second, W, None, w1)
+        w1 += 1
+    while w0 < count["b0"]:
+        add(first, W, None, w0)
+        w0 += 1
+    # a plan for at least 2 pp - 1 microbatches, the ones past n dropped (idle)
+    return [a if a is not None and a.microbatch_index is not None and a.microbatch_index < n else None
+            for a in actions]

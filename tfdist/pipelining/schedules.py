@@ -27,7 +27,7 @@ from tfdist.pipelining.stage import PipelineStage
 
 __all__ = [
     "PipelineScheduleSingle", "PipelineScheduleMulti", "ScheduleGPipe", "Schedule1F1B",
-    "ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
+    "ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble",
 ]
 
 
@@ -263,12 +263,12 @@ class PipelineScheduleMulti(_PipelineSchedule):
             )
         self.pp_group_size = len(groups)
         self.n_local_stages = self._num_stages // self.pp_group_size
-        for s in self._stages:  # stage r and r + pp must share a device group
+        for s in self._stages:  # a rank's stages share its device group (rank r holds stage r)
             same = self._stages[self._rank_of(s.stage_index)].device_key
             if s.device_key != same:
                 raise ValueError(
-                    f"stages: stage {s.stage_index} belongs to pipeline rank {self._rank_of(s.stage_index)} "
-                    f"(stages r, r + {self.pp_group_size}, ... share a rank's devices) but is on other devices."
+                    f"stages: stage {s.stage_index} belongs to pipeline rank {self._rank_of(s.stage_index)}, "
+                    f"whose stages share its devices, but is on other devices."
                 )
         self._check_stages()
         self.pipeline_order = {r: self._plan(r) for r in range(self.pp_group_size)}
@@ -305,3 +305,42 @@ class ScheduleLoopedBFS(PipelineScheduleMulti):
 
     def _plan(self, rank: int) -> list[Action | None]:
         return _orders.looped_bfs(rank, self.pp_group_size, self.n_local_stages, self._n_microbatches)
+
+
+class ScheduleInterleavedZeroBubble(PipelineScheduleMulti):
+    """Interleaved zero bubble: the interleaved plan with each backward split into its input part
+    (``I``) and weight part (``W``), the weight parts filling what would be idle steps."""
+
+    def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int, *args: Any, **kwargs: Any) -> None:
+        if isinstance(n_microbatches, int) and n_microbatches > 0 and isinstance(stages, (list, tuple)):
+            _orders.interleaved_rounds(max(len({s.device_key for s in stages}), 1), n_microbatches)
+        super().__init__(stages, n_microbatches, *args, **kwargs)
+
+    def _plan(self, rank: int) -> list[Action | None]:
+        if not hasattr(self, "_plans"):
+            self._plans = _orders.interleaved_zero_bubble(self.pp_group_size, self.n_local_stages,
+                                                          self._n_microbatches)
+        return self._plans[rank]
+
+
+class ScheduleZBVZeroBubble(PipelineScheduleMulti):
+    """The V-shaped zero-bubble schedule: 2 stages per rank, rank ``r`` holding stages ``r`` and
+    ``2 pp - 1 - r`` (so the first and last stages share a rank's devices)."""
+
+    def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int, *args: Any, **kwargs: Any) -> None:
+        if isinstance(stages, (list, tuple)) and stages and isinstance(stages[0], PipelineStage):
+            groups = len({s.device_key for s in stages})
+            if len(stages) != 2 * groups:
+                raise ValueError(
+                    f"stages: ZBV needs exactly 2 stages per pipeline rank; received {len(stages)} stages on "
+                    f"{groups} device groups."
+                )
+        super().__init__(stages, n_microbatches, *args, **kwargs)
+
+    def _rank_of(self, stage_index: int) -> int:
+        pp = self.pp_group_size
+        return stage_index if stage_index < pp else 2 * pp - 1 - stage_index
+
+    def _plan(self, rank: int) -> list[Action | None]:
+        return _orders.zbv(rank, self.pp_group_size, self._n_microbatches)
+
