@@ -192,3 +192,26 @@ def test_bad_arguments_name_the_fix(float64):
         ScheduleZBVZeroBubble(stages, 4, loss_fn=mse)
     with pytest.raises(ValueError, match="multiple of"):
         ScheduleInterleaved1F1B(stages_for(ScheduleInterleaved1F1B, parts), 5, loss_fn=mse)  # 2 rounds of 2.5
+
+
+@pytest.mark.parametrize("m", [4, 8, 16])
+def test_plan_bubble_matches_the_gpipe_formula_and_zero_bubble_is_lower(m):
+    from tfdist.pipelining import _timeline
+
+    p = 4
+    theory = (p - 1) / (m + p - 1)  # with backward = 2 forwards
+    for plan in ({r: _orders.gpipe(r, p, m) for r in range(p)},
+                 {r: _orders.one_f_one_b_execution(r, p, m) for r in range(p)}):
+        assert _timeline.bubble_fraction(_timeline.simulate(plan, p)) == pytest.approx(theory)
+    zero = _timeline.bubble_fraction(_timeline.simulate(_orders.interleaved_zero_bubble(p, 2, m), 2 * p))
+    assert zero < theory / 2
+
+
+def test_1f1b_holds_fewer_microbatch_inputs_than_gpipe(float64):
+    held = {}
+    for schedule in (ScheduleGPipe, Schedule1F1B):
+        stages = stages_for(schedule, blocks())
+        schedule(stages, 8, loss_fn=mse).step(X, target=Y)
+        held[schedule] = [s.peak_held_inputs for s in stages]
+    assert held[ScheduleGPipe] == [8, 8, 8, 8]
+    assert held[Schedule1F1B] == [4, 3, 2, 1]  # num_stages - stage_index

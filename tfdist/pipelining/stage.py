@@ -109,6 +109,7 @@ class PipelineStage:
         self.losses: dict[int, tf.Tensor] = {}
         self.targets: dict[int, Any] = {}
         self.output_chunks: list[Any] = []
+        self.peak_held_inputs = 0  # most microbatch inputs held at once (what the schedule makes it keep)
         if len(self.grads) != len(self.trainable_variables):
             self.zero_grads()
 
@@ -172,6 +173,7 @@ class PipelineStage:
         self._expected_out = self._check(tuple(outs), self._expected_out, "outputs", "its output_args")
         self.inputs[microbatch] = args
         self.outputs[microbatch] = out
+        self.peak_held_inputs = max(self.peak_held_inputs, len(self.inputs))
         return out
 
     def compute_loss(self, microbatch: int, loss_fn: Callable, target: Any) -> tf.Tensor:

@@ -1,0 +1,127 @@
+"""Pipeline schedules on 8 virtual CPUs: bubble fraction of each plan, microbatch inputs held, step time.
+
+* Bubble fraction: each schedule's plan (p = 4 pipeline ranks, m = 4, 8, 16
+  microbatches) timed with forward = 1, backward-input = 1, backward-weight = 1,
+  full backward = 2 units (tfdist.pipelining._timeline.simulate: every rank
+  runs its plan in order, an action starts once its inputs exist), against
+  the GPipe/1F1B formula (p - 1) / (m + p - 1).
+* Inputs held: the most microbatch inputs a stage kept at once during a real
+  step (what a stage holds between its forward and backward), GPipe vs 1F1B.
+* Step time: 4 blocks of Dense(512, tanh) -> Dense(512), batch 64, one stage
+  per block on CPU:0/2/4/6, GPipe and 1F1B with 8 microbatches, against the
+  same model's train step on one device; interleaved rounds, median; losses
+  checked equal.  Stages run one action at a time from one Python thread
+  (no overlap between stages yet), so this measures the overhead of
+  pipelining, not a speed-up.
+
+    python benchmarks/pipeline.py        # writes benchmarks/results/pipeline.json
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+sys.path.insert(0, os.path.dirname(__file__))
+
+import numpy as np  # noqa: E402
+
+import tfdist  # noqa: E402
+
+tfdist.virtual_cpus(8)
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from _common import print_table, write_results  # noqa: E402
+from tfdist.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe  # noqa: E402
+from tfdist.pipelining import _orders, _timeline  # noqa: E402
+
+ROUNDS = int(os.environ.get("ROUNDS", "5"))
+P = 4
+
+
+def plan_bubbles() -> list[dict]:
+    rows = []
+    for m in (4, 8, 16):
+        plans = {
+            "GPipe": ({r: _orders.gpipe(r, P, m) for r in range(P)}, P),
+            "1F1B": ({r: _orders.one_f_one_b_execution(r, P, m) for r in range(P)}, P),
+            "Interleaved1F1B (2/rank)": ({r: _orders.interleaved_1f1b(r, P, 2, m) for r in range(P)}, 2 * P),
+            "LoopedBFS (2/rank)": ({r: _orders.looped_bfs(r, P, 2, m) for r in range(P)}, 2 * P),
+            "InterleavedZeroBubble (2/rank)": (_orders.interleaved_zero_bubble(P, 2, m), 2 * P),
+            "ZBVZeroBubble (2/rank)": ({r: _orders.zbv(r, P, m) for r in range(P)}, 2 * P),
+        }
+        for name, (order, stages) in plans.items():
+            frac = _timeline.bubble_fraction(_timeline.simulate(order, stages))
+            rows.append({"schedule": name, "p": P, "m": m, "bubble": round(frac, 3),
+                         "theory (p-1)/(m+p-1)": round((P - 1) / (m + P - 1), 3)})
+    return rows
+
+
+def blocks(seed=0):
+    keras.utils.set_random_seed(seed)
+    return [keras.Sequential([keras.Input((512,)), keras.layers.Dense(512, activation="tanh"),
+                              keras.layers.Dense(512)]) for _ in range(P)]
+
+
+def mse(y, t):
+    return tf.reduce_mean((y - t) ** 2)
+
+
+def main() -> None:
+    bubbles = plan_bubbles()
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 512)).astype("float32")
+    y = rng.standard_normal((64, 512)).astype("float32")
+    whole = keras.Sequential([keras.Input((512,))] + blocks())
+
+    @tf.function
+    def one_device_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = mse(whole(x), y)
+        return loss, tape.gradient(loss, whole.trainable_variables)
+
+    pipes = {}
+    for name, cls in [("GPipe", ScheduleGPipe), ("1F1B", Schedule1F1B)]:
+        stages = [PipelineStage(b, i, P, f"CPU:{2 * i}") for i, b in enumerate(blocks())]
+        pipes[name] = (cls(stages, 8, loss_fn=mse), stages)
+
+    def run(name):
+        if name == "one device":
+            loss, grads = one_device_step(x, y)
+            grads[-1].numpy()
+            return float(loss)
+        pipe, stages = pipes[name]
+        for s in stages:
+            s.zero_grads()
+        losses = []
+        pipe.step(x, target=y, losses=losses)
+        stages[0].grads[0].numpy()
+        return float(np.mean([l.numpy() for l in losses]))
+
+    names = ["one device", "GPipe", "1F1B"]
+    first = {n: run(n) for n in names}  # warm-up (traces) and the loss check
+    assert max(first.values()) - min(first.values()) < 1e-5 * abs(first["one device"]), first
+    samples = {n: [] for n in names}
+    for _ in range(ROUNDS):
+        for n in names:
+            t0 = time.perf_counter()
+            run(n)
+            samples[n].append((time.perf_counter() - t0) * 1e3)
+    held = {n: [s.peak_held_inputs for s in pipes[n][1]] for n in ("GPipe", "1F1B")}
+    steps = [{"program": n, "step_ms": round(statistics.median(samples[n]), 1),
+              "vs one device": round(statistics.median(samples[n]) / statistics.median(samples["one device"]), 2),
+              "inputs held per stage": held.get(n, "")} for n in names]
+    print("bubble fraction of each plan (unit costs)")
+    print_table(bubbles, ["schedule", "p", "m", "bubble", "theory (p-1)/(m+p-1)"])
+    print(f"\nstep time, 8 microbatches, {ROUNDS} rounds, median (loss {first['one device']:.5f} in all)")
+    print_table(steps, ["program", "step_ms", "vs one device", "inputs held per stage"])
+    path = write_results("pipeline", steps, {"bubbles": bubbles, "rounds": ROUNDS})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
