@@ -13,7 +13,7 @@ import pytest
 DOCS = pathlib.Path(__file__).parent.parent / "docs"
 EXAMPLES = [
     (path, i, code)
-    for path in (DOCS / "keras.md", DOCS / "fsdp.md", DOCS / "checkpoint.md")
+    for path in (DOCS / "keras.md", DOCS / "fsdp.md", DOCS / "checkpoint.md", DOCS / "pipelining.md")
     for i, code in enumerate(re.findall(r"```python\n(.*?)```", path.read_text(), re.S), 1)
 ]
 
