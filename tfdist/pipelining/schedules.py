@@ -15,6 +15,7 @@ stages of different ranks live on different devices or sub-meshes.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Callable, Sequence
 
@@ -52,6 +53,7 @@ class _PipelineSchedule:
         self._output_merge_spec = output_merge_spec
         self.scale_grads = scale_grads
         self._stages = sorted(stages, key=lambda s: s.stage_index)
+        self.concurrent = True  # one thread per pipeline rank; False: one action at a time (debugging)
         self._num_stages = self._stages[0].num_stages
         self.executed_order: dict[int, list[tuple[str, float, float]]] = {}
 
@@ -103,12 +105,16 @@ class _PipelineSchedule:
         if losses is not None:
             last = self._stages[-1]
             losses.extend(last.losses[m] for m in range(self._n_microbatches))
-        return merge_chunks(self._stages[-1].output_chunks, self._output_merge_spec)
+        return self._merged_output()
+
+    def _merged_output(self) -> Any:
+        chunks = [out for _, out in sorted(self._stages[-1].output_chunks, key=lambda c: c[0])]
+        return merge_chunks(chunks, self._output_merge_spec)
 
     def eval(self, *args: Any, **kwargs: Any) -> Any:
         """Forward only, every microbatch in the plan's forward order; returns the merged output."""
         self._run(args, kwargs, None, backward=False)
-        return merge_chunks(self._stages[-1].output_chunks, self._output_merge_spec)
+        return self._merged_output()
 
     def _run(self, args: tuple, kwargs: dict, target: Any, backward: bool) -> None:
         n = self._n_microbatches
@@ -124,6 +130,17 @@ class _PipelineSchedule:
                   for r, acts in order.items()}
         done: set[tuple[int, str, int | None]] = set()
         self.executed_order = {r: [] for r in queues}
+        if self.concurrent:
+            self._run_concurrently(queues, args_split, targets, done)
+        else:
+            self._run_in_turn(queues, args_split, targets, done)
+        if backward:  # plans without REDUCE_GRAD steps (the multi-stage ones) reduce at the end, as torch
+            for s in self._stages:
+                if (s.stage_index, "reduced", None) not in done:
+                    s.scale_grads(n if self.scale_grads else 1)
+
+    def _run_in_turn(self, queues: dict, args_split: list, targets: list | None, done: set) -> None:
+        """One action at a time, cycling over the ranks (for debugging: ``concurrent = False``)."""
         start = time.perf_counter()
         while any(queues.values()):
             progressed = False
@@ -132,16 +149,49 @@ class _PipelineSchedule:
                 if queue and self._ready(queue[0], done):
                     action = queue.pop(0)
                     t0 = time.perf_counter() - start
-                    self._do(action, args_split, targets, done)
+                    done |= self._do(action, args_split, targets)
                     self.executed_order[rank].append((str(action), t0, time.perf_counter() - start))
                     progressed = True
             if not progressed:
                 heads = {r: str(q[0]) for r, q in queues.items() if q}
                 raise RuntimeError(f"pipeline plan cannot proceed: waiting actions {heads}")
-        if backward:  # plans without REDUCE_GRAD steps (the multi-stage ones) reduce at the end, as torch
-            for s in self._stages:
-                if (s.stage_index, "reduced", None) not in done:
-                    s.scale_grads(n if self.scale_grads else 1)
+
+    def _run_concurrently(self, queues: dict, args_split: list, targets: list | None, done: set) -> None:
+        """One thread per pipeline rank, as torch has one process per rank: TensorFlow releases the
+        GIL while a stage's compiled program runs, so stages on different devices overlap."""
+        cond = threading.Condition()
+        failures: list[BaseException] = []
+        start = time.perf_counter()
+
+        def rank_loop(rank: int, queue: list) -> None:
+            for action in queue:
+                with cond:
+                    while not failures and not self._ready(action, done):
+                        if not cond.wait(timeout=600):
+                            failures.append(RuntimeError(f"pipeline rank {rank} waited 600 s for {action}"))
+                    if failures:
+                        return
+                t0 = time.perf_counter() - start
+                try:
+                    made = self._do(action, args_split, targets)
+                except BaseException as e:  # noqa: BLE001 - re-raised by step() below
+                    with cond:
+                        failures.append(e)
+                        cond.notify_all()
+                    return
+                with cond:
+                    done.update(made)
+                    self.executed_order[rank].append((str(action), t0, time.perf_counter() - start))
+                    cond.notify_all()
+
+        threads = [threading.Thread(target=rank_loop, args=(r, q), name=f"tfdist-pipeline-rank-{r}")
+                   for r, q in sorted(queues.items())]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if failures:
+            raise failures[0]
 
     def _ready(self, a: Action, done: set) -> bool:
         s, kind, m = a.stage_index, a.computation_type, a.microbatch_index
@@ -155,31 +205,30 @@ class _PipelineSchedule:
             return all((s, "w", k) in done for k in range(self._n_microbatches))
         return True
 
-    def _do(self, a: Action, args_split: list, targets: list | None, done: set) -> None:
+    def _do(self, a: Action, args_split: list, targets: list | None) -> set:
         s, kind, m = a.stage_index, a.computation_type, a.microbatch_index
         stage = self._stages[s]
         if kind == F:
             inputs = args_split[m] if s == 0 else (self._stages[s - 1].outputs[m],)
             out = stage.forward_one_chunk(m, tuple(inputs))
             if stage.is_last:
-                stage.output_chunks.append(out)
+                stage.output_chunks.append((m, out))
                 if targets is not None:
                     stage.compute_loss(m, self._loss_fn, targets[m][0])
-            done.add((s, "F", m))
-            return
+            return {(s, "F", m)}
         if kind == REDUCE_GRAD:
             stage.scale_grads(self._n_microbatches if self.scale_grads else 1)
-            done.add((s, "reduced", None))
-            return
+            return {(s, "reduced", None)}
         if kind in (B, I) and not stage.is_last:
             stage.output_grads[m] = stage.place(self._stages[s + 1].input_grads[m][0])
         loss_fn = self._loss_fn if stage.is_last else None
         stage.backward_one_chunk(m, loss_fn, inputs=kind in (B, I), weights=kind in (B, W))
+        made = set()
         if kind in (B, I):
-            done.add((s, "I", m))
-            done.add((s, "dx", m))
+            made |= {(s, "I", m), (s, "dx", m)}
         if kind in (B, W):
-            done.add((s, "w", m))
+            made.add((s, "w", m))
+        return made
 
 
 class PipelineScheduleSingle(_PipelineSchedule):
