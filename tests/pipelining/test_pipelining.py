@@ -230,3 +230,65 @@ def test_one_action_at_a_time_gives_the_same_step(float64):
         assert ranks == planned  # each rank ran its plan in order
     for a, b in zip(grads[True], grads[False]):
         np.testing.assert_array_equal(a, b)
+
+
+def sequential_of_8(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((8,))] + [
+        keras.layers.Dense(8, activation="tanh" if i < 7 else None, name=f"d{i}") for i in range(8)])
+
+
+def test_pipeline_splits_a_sequential_model_and_keeps_its_weights(float64):
+    from tfdist.pipelining import SplitPoint, pipeline
+
+    model = sequential_of_8()
+    with tf.GradientTape() as tape:
+        loss = mse(model(X), Y)
+    want = tape.gradient(loss, model.trainable_variables)
+    pipe = pipeline(model, (X[:4],), split_spec={"d2": SplitPoint.BEGINNING, "layers.3": SplitPoint.END,
+                                                 "d5": SplitPoint.END})
+    assert pipe.num_stages == 4
+    assert [[l.name for l in pipe.get_stage_module(i).layers] for i in range(4)] == [
+        ["d0", "d1"], ["d2", "d3"], ["d4", "d5"], ["d6", "d7"]]
+    assert pipe.get_stage_module(1).layers[0].kernel is model.layers[2].kernel  # the same weights
+    assert [list(s.shape) for s in pipe.info().stage_outputs[0]] == [[4, 8]]
+    stages = [pipe.build_stage(i, f"CPU:{2 * i}") for i in range(4)]
+    ScheduleGPipe(stages, 4, loss_fn=mse).step(X, target=Y)
+    for a, b in zip([g for s in stages for g in s.grads], want):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-12, atol=1e-14)
+
+
+def test_pipe_split_markers_and_functional_chains(float64):
+    from tfdist.pipelining import pipe_split, pipeline
+
+    keras.utils.set_random_seed(0)
+    a, b, c = (keras.layers.Dense(8, name=n) for n in "abc")
+    model = keras.Sequential([keras.Input((8,)), a, pipe_split(), b, pipe_split(), c])
+    np.testing.assert_allclose(model(X).numpy(), c(b(a(X))).numpy())  # the markers are the identity
+    assert pipeline(model, (X[:4],)).num_stages == 3
+    a, b, c = (keras.layers.Dense(8, name=n) for n in "abc")  # fresh: a functional model records its calls
+    inputs = keras.Input((8,))
+    functional = keras.Model(inputs, c(b(a(inputs))))
+    assert pipeline(functional, (X[:4],), split_policy=lambda layers: [1]).num_stages == 2
+    d, e = keras.layers.Dense(8), keras.layers.Dense(8)
+    hidden = d(inputs)
+    skip = keras.Model(inputs, keras.layers.Add()([hidden, e(hidden)]))
+    with pytest.raises(ValueError, match="does not take .only. the previous layer's output"):
+        pipeline(skip, (X[:4],), split_policy=lambda layers: [1])
+
+
+def test_pipeline_bad_split_points(float64):
+    from tfdist.pipelining import SplitPoint, pipeline
+
+    model = sequential_of_8()
+    with pytest.raises(ValueError, match="'nope' names no layer of the model"):
+        pipeline(model, (X[:4],), split_spec={"nope": SplitPoint.BEGINNING})
+    with pytest.raises(ValueError, match="single stage"):
+        pipeline(model, (X[:4],), split_spec={"d0": SplitPoint.BEGINNING})
+    with pytest.raises(TypeError, match="subclassed model"):
+        pipeline(GPTlike(), (X[:4],))
+
+
+class GPTlike(keras.Model):
+    def call(self, x):
+        return x

@@ -9,6 +9,7 @@ Example (8 virtual CPUs, 4 stages of 2 devices each)::
     grads = [stage.grads for stage in stages]
 """
 
+from tfdist.pipelining._ir import Pipe, PipeInfo, SplitPoint, build_stage, pipe_split, pipeline
 from tfdist.pipelining._actions import Action, ComputationType, format_pipeline_order
 from tfdist.pipelining.microbatch import TensorChunkSpec, merge_chunks, split_args_kwargs_into_chunks
 from tfdist.pipelining.schedules import (
@@ -20,5 +21,6 @@ from tfdist.pipelining.stage import PipelineStage, PipeliningShapeError
 __all__ = [
     "PipelineStage", "PipeliningShapeError", "TensorChunkSpec", "split_args_kwargs_into_chunks", "merge_chunks",
     "PipelineScheduleSingle", "PipelineScheduleMulti", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
+    "pipeline", "pipe_split", "SplitPoint", "Pipe", "PipeInfo", "build_stage",
     "ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "Action", "ComputationType", "format_pipeline_order",
 ]

@@ -27,7 +27,7 @@ class PipeliningShapeError(RuntimeError):
 
 
 def _spec(t: Any) -> tuple[tuple[int | None, ...], str]:
-    return tuple(t.shape), tf.as_dtype(t.dtype).name
+    return tuple(t.shape.as_list() if isinstance(t.shape, tf.TensorShape) else t.shape), tf.as_dtype(t.dtype).name
 
 
 def _device_key(device: Any) -> str:
