@@ -292,3 +292,30 @@ def test_pipeline_bad_split_points(float64):
 class GPTlike(keras.Model):
     def call(self, x):
         return x
+
+
+def test_pp_dp_tp_2x2x2_trains_like_the_unpipelined_model(float64):
+    from tfdist.fsdp import fully_shard
+
+    ref = whole(blocks(2))
+    ref_opt = keras.optimizers.Adam(1e-2)
+    stages = []
+    for i, part in enumerate(blocks(2)):  # each stage on a (dp, tp) = 2 x 2 sub-mesh: FSDP over TP inside
+        sub = DeviceMesh("cpu", [[4 * i, 4 * i + 1], [4 * i + 2, 4 * i + 3]], mesh_dim_names=("dp", "tp"))
+        parallelize_module(part, sub["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        fully_shard(part, mesh=sub["dp"])
+        stages.append(PipelineStage(part, i, 2, sub))
+    pipe = Schedule1F1B(stages, 4, loss_fn=mse)
+    opts = [keras.optimizers.Adam(1e-2) for _ in stages]
+    for _ in range(5):
+        with tf.GradientTape() as tape:
+            loss = mse(ref(X), Y)
+        ref_opt.apply(tape.gradient(loss, ref.trainable_variables), ref.trainable_variables)
+        for s in stages:
+            s.zero_grads()
+        pipe.step(X, target=Y)
+        for s, opt in zip(stages, opts):
+            opt.apply(s.grads, s.submod.trainable_variables)
+    got = [v.numpy() for s in stages for v in s.submod.trainable_variables]
+    for a, b in zip(got, [v.numpy() for v in ref.trainable_variables]):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
