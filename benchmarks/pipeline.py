@@ -55,6 +55,8 @@ def plan_bubbles() -> list[dict]:
             "InterleavedZeroBubble (2/rank)": (_orders.interleaved_zero_bubble(P, 2, m), 2 * P),
             "ZBVZeroBubble (2/rank)": ({r: _orders.zbv(r, P, m) for r in range(P)}, 2 * P),
         }
+        if m >= 2 * P:
+            plans["DualPipeV (2/rank)"] = ({r: _orders.dualpipe_v(r, P, m) for r in range(P)}, 2 * P)
         for name, (order, stages) in plans.items():
             frac = _timeline.bubble_fraction(_timeline.simulate(order, stages))
             rows.append({"schedule": name, "p": P, "m": m, "bubble": round(frac, 3),

@@ -20,7 +20,7 @@ from keras_helpers import float64, no_global_distribution  # noqa: F401
 from tfdist.device_mesh import DeviceMesh
 from tfdist.pipelining import (
     PipelineStage, PipeliningShapeError, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble, ScheduleLoopedBFS, ScheduleZBVZeroBubble, TensorChunkSpec, merge_chunks,
+    ScheduleDualPipeV, ScheduleInterleavedZeroBubble, ScheduleLoopedBFS, ScheduleZBVZeroBubble, TensorChunkSpec, merge_chunks,
     split_args_kwargs_into_chunks,
 )
 from tfdist.pipelining import _orders
@@ -34,6 +34,7 @@ PLANS = {
     "ScheduleLoopedBFS": _orders.looped_bfs,
     "ScheduleInterleavedZeroBubble": lambda r, pp, per, n: _orders.interleaved_zero_bubble(pp, per, n)[r],
     "ScheduleZBVZeroBubble": lambda r, pp, per, n: _orders.zbv(r, pp, n),
+    "ScheduleDualPipeV": lambda r, pp, per, n: _orders.dualpipe_v(r, pp, n),
 }
 CASES = [c for c in TORCH["cases"] if c["schedule"] in PLANS and "pipeline_order" in c]
 RNG = np.random.default_rng(0)
@@ -72,13 +73,13 @@ def reference_grads():
 def stages_for(schedule, parts):
     if schedule in (ScheduleGPipe, Schedule1F1B):
         return [PipelineStage(b, i, 4, f"CPU:{2 * i}") for i, b in enumerate(parts)]
-    if schedule is ScheduleZBVZeroBubble:  # V: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2
+    if schedule in (ScheduleZBVZeroBubble, ScheduleDualPipeV):  # V: rank 0 holds stages 0, 3; rank 1: 1, 2
         return [PipelineStage(b, i, 4, f"CPU:{min(i, 3 - i)}") for i, b in enumerate(parts)]
     return [PipelineStage(b, i, 4, f"CPU:{i % 2}") for i, b in enumerate(parts)]  # 2 ranks x 2 stages
 
 
 @pytest.mark.parametrize("schedule", [ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleLoopedBFS,
-                                      ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble])
+                                      ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV])
 @pytest.mark.parametrize("n", [4, 8])
 def test_gradients_equal_the_unpipelined_model(float64, schedule, n):
     want_loss, want = reference_grads()
@@ -188,8 +189,10 @@ def test_bad_arguments_name_the_fix(float64):
         PipelineStage(parts[0], 4, 4, "CPU:0")
     with pytest.raises(TypeError, match="device must be"):
         PipelineStage(parts[0], 0, 4, 3)
-    with pytest.raises(ValueError, match="ZBV needs exactly 2 stages per pipeline rank"):
+    with pytest.raises(ValueError, match="ZBVZeroBubble needs exactly 2 stages per pipeline rank"):
         ScheduleZBVZeroBubble(stages, 4, loss_fn=mse)
+    with pytest.raises(ValueError, match="n_microbatches=2: DualPipeV needs at least as many"):
+        ScheduleDualPipeV(stages_for(ScheduleDualPipeV, parts), 2, loss_fn=mse)
     with pytest.raises(ValueError, match="multiple of"):
         ScheduleInterleaved1F1B(stages_for(ScheduleInterleaved1F1B, parts), 5, loss_fn=mse)  # 2 rounds of 2.5
 

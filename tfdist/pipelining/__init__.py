@@ -14,7 +14,7 @@ from tfdist.pipelining._actions import Action, ComputationType, format_pipeline_
 from tfdist.pipelining.microbatch import TensorChunkSpec, merge_chunks, split_args_kwargs_into_chunks
 from tfdist.pipelining.schedules import (
     PipelineScheduleMulti, PipelineScheduleSingle, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble, ScheduleLoopedBFS, ScheduleZBVZeroBubble,
+    ScheduleDualPipeV, ScheduleInterleavedZeroBubble, ScheduleLoopedBFS, ScheduleZBVZeroBubble,
 )
 from tfdist.pipelining.stage import PipelineStage, PipeliningShapeError
 
@@ -22,5 +22,5 @@ __all__ = [
     "PipelineStage", "PipeliningShapeError", "TensorChunkSpec", "split_args_kwargs_into_chunks", "merge_chunks",
     "PipelineScheduleSingle", "PipelineScheduleMulti", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
     "pipeline", "pipe_split", "SplitPoint", "Pipe", "PipeInfo", "build_stage",
-    "ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "Action", "ComputationType", "format_pipeline_order",
+    "ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV", "Action", "ComputationType", "format_pipeline_order",
 ]

@@ -13,21 +13,27 @@ class ComputationType(enum.Enum):
     BACKWARD_INPUT = "I"
     BACKWARD_WEIGHT = "W"
     REDUCE_GRAD = "REDUCE_GRAD"
+    OVERLAP_F_B = "OVERLAP_F_B"
 
 
-F, B, I, W, REDUCE_GRAD = (ComputationType.FORWARD, ComputationType.FULL_BACKWARD, ComputationType.BACKWARD_INPUT,
-                           ComputationType.BACKWARD_WEIGHT, ComputationType.REDUCE_GRAD)
+F, B, I, W, REDUCE_GRAD, OVERLAP_F_B = (
+    ComputationType.FORWARD, ComputationType.FULL_BACKWARD, ComputationType.BACKWARD_INPUT,
+    ComputationType.BACKWARD_WEIGHT, ComputationType.REDUCE_GRAD, ComputationType.OVERLAP_F_B)
 _PATTERN = re.compile(r"^(\d+)(F|B|I|W|REDUCE_GRAD)(\d*)$")
 
 
 class Action(NamedTuple):
-    """Stage ``stage_index`` does ``computation_type`` on microbatch ``microbatch_index``."""
+    """Stage ``stage_index`` does ``computation_type`` on microbatch ``microbatch_index``; an
+    ``OVERLAP_F_B`` action holds a forward and a backward (``sub_actions``) run back to back."""
 
     stage_index: int
     computation_type: ComputationType
     microbatch_index: int | None = None
+    sub_actions: tuple | None = None
 
     def __str__(self) -> str:
+        if self.sub_actions is not None:
+            return "(" + ";".join(str(a) for a in self.sub_actions) + f"){self.computation_type.value}"
         mb = "" if self.microbatch_index is None else str(self.microbatch_index)
         return f"{self.stage_index}{self.computation_type.value}{mb}"
 

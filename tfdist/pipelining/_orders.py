@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from tfdist.pipelining._actions import B, F, I, REDUCE_GRAD, W, Action
+from tfdist.pipelining._actions import B, F, I, OVERLAP_F_B, REDUCE_GRAD, W, Action
 
 Order = list  # of Action | None
 
@@ -255,3 +255,65 @@ def zbv(rank: int, pp: int, n: int) -> Order:
     # a plan for at least 2 pp - 1 microbatches, the ones past n dropped (idle)
     return [a if a is not None and a.microbatch_index is not None and a.microbatch_index < n else None
             for a in actions]
+
+
+def dualpipe_v(rank: int, pp: int, n: int) -> Order:
+    """DeepSeek's DualPipeV (V-shaped: rank ``r`` holds stages ``r`` and ``2 pp - 1 - r``): in the
+    middle phase each step pairs one stage's forward with the other stage's backward
+    (``OVERLAP_F_B``), so one's compute hides the other's communication."""
+    first, second = rank, 2 * pp - 1 - rank
+    count: dict[tuple[int, object], int] = defaultdict(int)
+    pending_weights: list[tuple[int, int]] = []
+    actions: Order = []
+
+    def add(stage: int, kind) -> Action:
+        key = (stage, I if kind == B else kind)
+        action = Action(stage, kind, count[key])
+        count[key] += 1
+        if kind == B:  # a full backward also does the weight part
+            count[(stage, W)] += 1
+        elif kind == I:
+            pending_weights.append((stage, action.microbatch_index))
+        return action
+
+    def overlap(forward_stage: int, backward_stage: int) -> None:
+        actions.append(Action(-1, OVERLAP_F_B, None, (add(forward_stage, F), add(backward_stage, B))))
+
+    def weight_if_pending() -> None:
+        if pending_weights:
+            stage, mb = pending_weights.pop(0)
+            actions.append(Action(stage, W, mb))
+            count[(stage, W)] += 1
+
+    for _ in range((pp - rank - 1) * 2):
+        actions.append(add(first, F))
+    for _ in range(rank + 1):
+        actions += [add(first, F), add(second, F)]
+    for _ in range(pp - rank - 1):
+        actions.append(add(second, I))
+        weight_if_pending()
+        actions.append(add(second, F))
+    for i in range(n - pp * 2 + rank + 1):
+        if i == 0 and rank == pp - 1:
+            actions += [add(first, F), add(second, B)]
+        else:
+            overlap(first, second)
+        overlap(second, first)
+    for _ in range(pp - rank - 1):
+        actions.append(add(second, B))
+        overlap(second, first)
+    zero_bubble = False
+    for i in range(rank + 1):
+        if i == (rank + 1) // 2 and rank % 2 == 1:
+            zero_bubble = True
+        actions.append(add(second, I if zero_bubble else B))
+        if i == (rank + 1) // 2 and rank % 2 == 0:
+            zero_bubble = True
+        actions.append(add(first, I if zero_bubble else B))
+    for _ in range(pp - rank - 1):
+        weight_if_pending()
+        actions.append(add(first, I if zero_bubble else B))
+    for _ in range(rank + 1):
+        weight_if_pending()
+    return actions
+

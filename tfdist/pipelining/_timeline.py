@@ -11,7 +11,7 @@ fraction the schedule literature quotes ((p - 1) / (m + p - 1) for GPipe and
 
 from __future__ import annotations
 
-from tfdist.pipelining._actions import B, F, I, REDUCE_GRAD, W, Action
+from tfdist.pipelining._actions import B, F, I, OVERLAP_F_B, REDUCE_GRAD, W, Action
 
 COSTS = {F: 1.0, I: 1.0, W: 1.0, B: 2.0, REDUCE_GRAD: 0.0}
 
@@ -26,6 +26,8 @@ def simulate(order: dict[int, list[Action | None]], num_stages: int,
     out: dict[int, list[tuple[str, float, float]]] = {r: [] for r in queues}
 
     def needs(a: Action) -> list[tuple]:
+        if a.computation_type == OVERLAP_F_B:
+            return [n for sub in a.sub_actions for n in needs(sub)]
         s, k, m = a.stage_index, a.computation_type, a.microbatch_index
         if k == F:
             return [] if s == 0 else [(s - 1, "F", m)]
@@ -48,15 +50,17 @@ def simulate(order: dict[int, list[Action | None]], num_stages: int,
             raise RuntimeError(f"plan cannot proceed: heads {[str(q[0]) for q in queues.values() if q]}")
         r, start = best
         a = queues[r].pop(0)
-        end = start + costs[a.computation_type]
+        parts = a.sub_actions if a.computation_type == OVERLAP_F_B else (a,)
+        end = start + sum(costs[p.computation_type] for p in parts)  # no compute/communication overlap modelled
         free[r] = end
-        s, k, m = a.stage_index, a.computation_type, a.microbatch_index
-        if k == F:
-            finished[(s, "F", m)] = end
-        if k in (B, I):
-            finished[(s, "dx", m)] = end
-        if k in (B, W):
-            finished[(s, "w", m)] = end
+        for p in parts:
+            s, k, m = p.stage_index, p.computation_type, p.microbatch_index
+            if k == F:
+                finished[(s, "F", m)] = end
+            if k in (B, I):
+                finished[(s, "dx", m)] = end
+            if k in (B, W):
+                finished[(s, "w", m)] = end
         out[r].append((str(a), start, end))
     return out
 

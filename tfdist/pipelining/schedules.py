@@ -22,13 +22,14 @@ from typing import Any, Callable, Sequence
 import tensorflow as tf
 
 from tfdist.pipelining import _orders
-from tfdist.pipelining._actions import B, F, I, REDUCE_GRAD, W, Action, format_pipeline_order
+from tfdist.pipelining._actions import B, F, I, OVERLAP_F_B, REDUCE_GRAD, W, Action, format_pipeline_order
 from tfdist.pipelining.microbatch import TensorChunkSpec, merge_chunks, split_args_kwargs_into_chunks
 from tfdist.pipelining.stage import PipelineStage
 
 __all__ = [
     "PipelineScheduleSingle", "PipelineScheduleMulti", "ScheduleGPipe", "Schedule1F1B",
     "ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble",
+    "ScheduleDualPipeV",
 ]
 
 
@@ -194,6 +195,8 @@ class _PipelineSchedule:
             raise failures[0]
 
     def _ready(self, a: Action, done: set) -> bool:
+        if a.computation_type == OVERLAP_F_B:
+            return all(self._ready(sub, done) for sub in a.sub_actions)
         s, kind, m = a.stage_index, a.computation_type, a.microbatch_index
         if kind == F:
             return s == 0 or (s - 1, "F", m) in done
@@ -206,6 +209,8 @@ class _PipelineSchedule:
         return True
 
     def _do(self, a: Action, args_split: list, targets: list | None) -> set:
+        if a.computation_type == OVERLAP_F_B:  # a forward and a backward back to back
+            return set().union(*(self._do(sub, args_split, targets) for sub in a.sub_actions))
         s, kind, m = a.stage_index, a.computation_type, a.microbatch_index
         stage = self._stages[s]
         if kind == F:
@@ -372,17 +377,17 @@ class ScheduleInterleavedZeroBubble(PipelineScheduleMulti):
         return self._plans[rank]
 
 
-class ScheduleZBVZeroBubble(PipelineScheduleMulti):
-    """The V-shaped zero-bubble schedule: 2 stages per rank, rank ``r`` holding stages ``r`` and
-    ``2 pp - 1 - r`` (so the first and last stages share a rank's devices)."""
+class _VShaped(PipelineScheduleMulti):
+    """2 stages per rank, rank ``r`` holding stages ``r`` and ``2 pp - 1 - r`` (so the first and last
+    stages share a rank's devices)."""
 
     def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int, *args: Any, **kwargs: Any) -> None:
         if isinstance(stages, (list, tuple)) and stages and isinstance(stages[0], PipelineStage):
             groups = len({s.device_key for s in stages})
             if len(stages) != 2 * groups:
                 raise ValueError(
-                    f"stages: ZBV needs exactly 2 stages per pipeline rank; received {len(stages)} stages on "
-                    f"{groups} device groups."
+                    f"stages: {type(self).__name__.removeprefix('Schedule')} needs exactly 2 stages per pipeline "
+                    f"rank; received {len(stages)} stages on {groups} device groups."
                 )
         super().__init__(stages, n_microbatches, *args, **kwargs)
 
@@ -390,6 +395,27 @@ class ScheduleZBVZeroBubble(PipelineScheduleMulti):
         pp = self.pp_group_size
         return stage_index if stage_index < pp else 2 * pp - 1 - stage_index
 
+
+class ScheduleZBVZeroBubble(_VShaped):
+    """The V-shaped zero-bubble schedule (backward split into ``I`` and ``W``)."""
+
     def _plan(self, rank: int) -> list[Action | None]:
         return _orders.zbv(rank, self.pp_group_size, self._n_microbatches)
+
+
+class ScheduleDualPipeV(_VShaped):
+    """DeepSeek's DualPipeV (torch's newest schedule): V-shaped, with a forward of one stage and a
+    backward of the other paired in one ``OVERLAP_F_B`` action during the steady phase."""
+
+    def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int, *args: Any, **kwargs: Any) -> None:
+        num = stages[0].num_stages if isinstance(stages, (list, tuple)) and stages else 0
+        if isinstance(n_microbatches, int) and n_microbatches < num:
+            raise ValueError(
+                f"n_microbatches={n_microbatches}: DualPipeV needs at least as many microbatches as stages "
+                f"({num})."
+            )
+        super().__init__(stages, n_microbatches, *args, **kwargs)
+
+    def _plan(self, rank: int) -> list[Action | None]:
+        return _orders.dualpipe_v(rank, self.pp_group_size, self._n_microbatches)
 
