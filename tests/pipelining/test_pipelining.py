@@ -322,3 +322,19 @@ def test_pp_dp_tp_2x2x2_trains_like_the_unpipelined_model(float64):
     got = [v.numpy() for s in stages for v in s.submod.trainable_variables]
     for a, b in zip(got, [v.numpy() for v in ref.trainable_variables]):
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_plot_and_timeline(tmp_path, float64):
+    from tfdist.pipelining import plot_schedule, timeline
+
+    stages = stages_for(Schedule1F1B, blocks())
+    pipe = Schedule1F1B(stages, 4, loss_fn=mse)
+    planned = timeline(pipe)
+    assert [a for a, _, _ in planned[3]][:2] == ["3F0", "3B0"]
+    assert max(e for acts in planned.values() for _, _, e in acts) == (4 + 4 - 1) * 3  # (m + p - 1) x (F + B)
+    with pytest.raises(ValueError, match="run schedule.step"):
+        timeline(pipe, executed=True)
+    pipe.step(X, target=Y)
+    for executed in (False, True):
+        path = plot_schedule(pipe, tmp_path / f"plan-{executed}.png", executed=executed)
+        assert pathlib.Path(path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
