@@ -156,9 +156,21 @@ def template_shape_dtype(template: Any) -> tuple[tuple[int, ...], tf.DType]:
     return arr.shape, tf.as_dtype(arr.dtype)
 
 
+def _onto_template(template: Any, value: Any) -> Any:
+    layout = target_layout(template)
+    if layout is None:
+        return tf.convert_to_tensor(value)
+    spec = _spec_of_layout(layout.to_string(), tuple(template.shape))
+    from tfdist.tensor._api import distribute_tensor
+
+    return distribute_tensor(tf.convert_to_tensor(value), spec.mesh, spec.placements).to_tf()
+
+
 def put_back(template: Any, value: tf.Tensor) -> Any:
     """Writes ``value`` into ``template`` when it can change in place (variables); returns what the
     state dict should hold afterwards."""
+    if not (isinstance(value, tf.Tensor) and dtensor.is_dtensor(value)):
+        value = _onto_template(template, value)  # a whole value from a custom storage reader
     if isinstance(template, DTensor):
         spec = _read_spec(template)
         loaded = DTensor._wrap(value, spec)

@@ -109,6 +109,7 @@ class DefaultSavePlanner(SavePlanner):
         self.storage_meta = storage_meta
         self.is_coordinator = is_coordinator
         self._storable: dict[str, tf.Tensor] = {}
+        self._chunks: dict[str, dict[tuple, tf.Tensor]] = {}
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         """The state-dict value ``index`` names."""
@@ -171,11 +172,18 @@ class DefaultSavePlanner(SavePlanner):
         return new_plan
 
     def resolve_data(self, write_item: WriteItem) -> Any:
-        """The value to store for ``write_item``: the object, or the tensor (a TF DTensor for a
-        sharded value; the storage writes the chunk ``write_item.tensor_data.chunk`` of it)."""
+        """The value to store for ``write_item``: the object, or the tensor of the item's chunk (for a
+        sharded value, the shard of the first local device holding that chunk: a local view)."""
         if write_item.type == WriteItemType.BYTE_IO:
             return self.transform_object(write_item, self.lookup_object(write_item.index))
-        return self.transform_object(write_item, self._tensor(write_item.index.fqn))
+        fqn = write_item.index.fqn
+        if fqn not in self._chunks:
+            pieces = _values.local_chunks(self._tensor(fqn), with_values=True)
+            self._chunks[fqn] = {tuple(p.chunk.offsets): p.value for p in pieces}
+        offsets = tuple(write_item.tensor_data.chunk.offsets)
+        if offsets not in self._chunks[fqn]:
+            raise ValueError(f"save: {fqn!r} has no chunk at offset {offsets} on this client.")
+        return self.transform_object(write_item, self._chunks[fqn][offsets])
 
 
 def _dedup_to_lowest_rank(plans: list[SavePlan]) -> list[SavePlan]:

@@ -191,17 +191,13 @@ class FileSystemWriter(StorageWriter):
 
     def _write_bundle(self, prefix: str, items: list[WriteItem], planner: SavePlanner) -> None:
         names, slices, values = [], [], []
-        chunks_of: dict[str, dict[tuple, tf.Tensor]] = {}
         for item in items:
-            fqn, td = item.index.fqn, item.tensor_data
-            if fqn not in chunks_of:
-                value = planner.resolve_data(item)
-                chunks_of[fqn] = {tuple(c.chunk.offsets): c.value
-                                  for c in _values.local_chunks(value, with_values=True)}
-            value = chunks_of[fqn].get(tuple(td.chunk.offsets))
-            if value is None:
-                raise ValueError(f"save: {fqn!r} has no local chunk at offset {td.chunk.offsets} on this rank.")
-            names.append(fqn)
+            td = item.tensor_data
+            value = tf.convert_to_tensor(planner.resolve_data(item))  # this chunk's tensor
+            if tuple(value.shape) != tuple(td.chunk.sizes):
+                raise ValueError(f"save: resolve_data gave {item.index.fqn!r} a chunk of shape {tuple(value.shape)}, "
+                                 f"its write item says {tuple(td.chunk.sizes)}.")
+            names.append(item.index.fqn)
             slices.append(_tf_io.slice_spec(td.size, td.chunk.offsets, td.chunk.sizes))
             values.append(tf.cast(value, td.properties.dtype) if value.dtype.name != td.properties.dtype else value)
         _tf_io.write_bundle(prefix, names, slices, values)
