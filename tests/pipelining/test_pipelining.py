@@ -338,3 +338,21 @@ def test_plot_and_timeline(tmp_path, float64):
     for executed in (False, True):
         path = plot_schedule(pipe, tmp_path / f"plan-{executed}.png", executed=executed)
         assert pathlib.Path(path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_plan_of_your_own(float64):
+    from tfdist.pipelining import PipelineScheduleMulti
+
+    _, want = reference_grads()
+    stages = stages_for(ScheduleLoopedBFS, blocks())
+    pipe = PipelineScheduleMulti(stages, 2, loss_fn=mse)
+    with pytest.raises(ValueError, match="cannot proceed"):  # backward of stage 2 before stage 3's
+        pipe.load_pipeline_order({0: ["0F0", "0F1", "2F0", "2F1", "2B0", "2B1", "0B0", "0B1"],
+                                  1: ["1F0", "1F1", "3F0", "3F1", "1B0", "1B1", "3B0", "3B1"]})
+    with pytest.raises(ValueError, match="needs a forward and a backward"):
+        pipe.load_pipeline_order({0: ["0F0", "0F1"], 1: ["1F0"]})
+    pipe.load_pipeline_order({0: ["0F0", "0F1", "2F0", "2F1", None, "2B0", "2B1", "0B0", "0B1"],
+                              1: ["1F0", "1F1", "3F0", "3F1", "3B0", "3B1", "1B0", "1B1"]})
+    pipe.step(X, target=Y)
+    for a, b in zip([g for s in stages for g in s.grads], want):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-12, atol=1e-14)

@@ -331,7 +331,42 @@ class PipelineScheduleMulti(_PipelineSchedule):
         return stage_index % self.pp_group_size
 
     def _plan(self, rank: int) -> list[Action | None]:
-        raise NotImplementedError
+        return self._custom_order.get(rank, []) if hasattr(self, "_custom_order") else []
+
+    def load_pipeline_order(self, order: dict[int, Sequence[Action | str | None]]) -> None:
+        """Runs a plan of your own (torch's custom schedules): ``{rank: [action or "0F1" or None, ...]}``,
+        each rank's actions on its own stages.  The plan is checked for completeness and for deadlock
+        before it is accepted.
+
+        Example::
+
+            schedule = PipelineScheduleMulti(stages, 2, loss_fn=mse)
+            schedule.load_pipeline_order({0: ["0F0", "0F1", "2F0", "2F1", "2B0", "2B1", "0B0", "0B1"],
+                                          1: ["1F0", "1F1", "3F0", "3F1", "3B0", "3B1", "1B0", "1B1"]})
+        """
+        parsed: dict[int, list[Action | None]] = {}
+        for rank, actions in order.items():
+            if rank not in range(self.pp_group_size):
+                raise ValueError(f"order: rank {rank!r} is not a pipeline rank (0..{self.pp_group_size - 1}).")
+            parsed[rank] = [a if a is None or isinstance(a, Action) else Action.from_str(a) for a in actions]
+            for a in parsed[rank]:
+                if a is not None and a.computation_type != OVERLAP_F_B and self._rank_of(a.stage_index) != rank:
+                    raise ValueError(f"order: rank {rank} lists {a}, but stage {a.stage_index} is on rank "
+                                     f"{self._rank_of(a.stage_index)}.")
+        done = {(a.stage_index, a.computation_type, a.microbatch_index)
+                for acts in parsed.values() for a in acts if a is not None}
+        for s in range(self._num_stages):
+            for m in range(self._n_microbatches):
+                if (s, F, m) not in done or not ({(s, B, m), (s, I, m)} & done):
+                    raise ValueError(f"order: stage {s} microbatch {m} needs a forward and a backward.")
+        from tfdist.pipelining import _timeline
+
+        try:
+            _timeline.simulate(parsed, self._num_stages)
+        except RuntimeError as e:
+            raise ValueError(f"order: {e} (each waits for another)") from None
+        self._custom_order = parsed
+        self.pipeline_order = parsed
 
 
 class ScheduleInterleaved1F1B(PipelineScheduleMulti):
