@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import tensorflow as tf
 
 from tfdist.distributions import constraints
@@ -11,6 +12,17 @@ from tfdist.distributions.exp_family import ExponentialFamily
 from tfdist.distributions.utils import broadcast_all
 
 __all__ = ["_two", "_positive_pair", "_one", "_OneParam", "_ProbsLogits", "_Support"]
+
+
+def clamp_probs(probs: tf.Tensor) -> tf.Tensor:
+    """torch's clamp_probs: into [eps, 1 - eps], eps the dtype's machine epsilon."""
+    eps = float(np.finfo(probs.dtype.as_numpy_dtype).eps)
+    return tf.clip_by_value(probs, eps, 1 - eps)
+
+
+def _clamped_logit(probs: tf.Tensor) -> tf.Tensor:
+    p = clamp_probs(probs)
+    return tf.math.log(p) - tf.math.log1p(-p)
 
 
 def _two(cls_name, tfp_name, first, second, support, has_rsample=True, mapping=None, exp_family=False):
@@ -113,5 +125,4 @@ class _ProbsLogits(_TFPBacked):
     def logits(self):
         if self._given == "logits":
             return self._logits_value
-        p = tf.clip_by_value(self._probs_value, 1e-7, 1 - 1e-7)
-        return tf.math.log(p) - tf.math.log1p(-p)
+        return _clamped_logit(self._probs_value)

@@ -31,6 +31,20 @@ class Bernoulli(_ProbsLogits, ExponentialFamily):
         values = tf.reshape(tf.constant([0.0, 1.0], self._dtype), [2] + [1] * len(self.batch_shape))
         return tf.broadcast_to(values, [2] + self.batch_shape.as_list()) if expand else values
 
+    @property
+    def mean(self):
+        return tf.identity(self.probs)
+
+    @property
+    def variance(self):
+        return self.probs * (1 - self.probs)
+
+    @property
+    def mode(self):
+        """1 where probs > 0.5, 0 below, NaN at 0.5 (two modes), as torch."""
+        p = self.probs
+        return tf.where(tf.equal(p, 0.5), tf.constant(float("nan"), p.dtype), tf.cast(p > 0.5, p.dtype))
+
     def entropy(self):
         p, logits = self.probs, self.logits
         return tf.nn.softplus(logits) - p * logits

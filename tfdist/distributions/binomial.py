@@ -36,8 +36,17 @@ class Binomial(_ProbsLogits):
 
     def _tfp(self):
         if self._given == "probs":
-            return tfd().Binomial(total_count=self.total_count, probs=self._probs_value)
+            # torch works from logits of probs clamped to [eps, 1 - eps]: finite log-probabilities at 0 and 1
+            return tfd().Binomial(total_count=self.total_count, logits=self.logits)
         return tfd().Binomial(total_count=self.total_count, logits=self._logits_value)
+
+    @property
+    def mean(self):
+        return self.total_count * self.probs
+
+    @property
+    def variance(self):
+        return self.total_count * self.probs * (1 - self.probs)
 
     def entropy(self):
         """-sum_k p(k) log p(k) over the support 0..n (torch enumerates it too)."""
@@ -45,7 +54,8 @@ class Binomial(_ProbsLogits):
         if not bool(tf.reduce_all(tf.equal(self.total_count, n))):
             raise NotImplementedError("Inhomogeneous total count not supported by `entropy`.")
         log_prob = self.log_prob(self.enumerate_support(expand=False))
-        return -tf.reduce_sum(tf.exp(log_prob) * log_prob, axis=0)
+        # 0 log 0 = 0 (p = 0 or 1 puts all mass on one count)
+        return -tf.reduce_sum(tf.math.multiply_no_nan(log_prob, tf.exp(log_prob)), axis=0)
 
     def enumerate_support(self, expand=True):
         n = tf.reduce_max(self.total_count)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tfdist.distributions import constraints
-from tfdist.distributions._parameterised import _ProbsLogits
+from tfdist.distributions._parameterised import _ProbsLogits, clamp_probs
 from tfdist.distributions._tfp_backed import tfd
 
 __all__ = ["Categorical"]
@@ -38,7 +38,11 @@ class Categorical(_ProbsLogits):
 
     @property
     def logits(self):
-        return self._logits_value if self._given == "logits" else tf.math.log(self._probs_value)
+        if self._given == "logits":
+            return self._logits_value
+        # torch: probs_to_logits clamps to [eps, 1 - eps], so an impossible class gets log(eps)
+        logits = tf.math.log(clamp_probs(self._probs_value))
+        return logits - tf.reduce_logsumexp(logits, axis=-1, keepdims=True)
 
     def _tfp(self):
         return tfd().Categorical(logits=self.logits, dtype=tf.int64)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tensorflow as tf
+
 from tfdist.distributions import constraints
 from tfdist.distributions._parameterised import _one
 from tfdist.distributions._tfp_backed import tfd
@@ -9,4 +11,13 @@ from tfdist.distributions._tfp_backed import tfd
 __all__ = ["Chi2"]
 
 
-Chi2 = _one("Chi2", "df", lambda df: tfd().Chi2(df), constraints.nonnegative)
+_Chi2 = _one("Chi2", "df", lambda df: tfd().Chi2(df), constraints.nonnegative)
+
+
+class Chi2(_Chi2):
+    __doc__ = _Chi2.__doc__
+
+    @property
+    def mode(self):
+        """max(df - 2, 0): the edge of the support for df <= 2, as torch."""
+        return tf.maximum(self.df - 2, 0.0)

@@ -108,6 +108,9 @@ class _IntegerGreaterThan(_GreaterThanEq):
     def check(self, value):
         return tf.logical_and(tf.equal(value, tf.round(value)), super().check(value))
 
+    def __repr__(self):
+        return f"IntegerGreaterThan(lower_bound={self.lower_bound})"
+
 
 class _Independent(Constraint):
     """Reinterprets ``n`` batch dims of a constraint as event dims."""
@@ -122,6 +125,9 @@ class _Independent(Constraint):
     @property
     def event_dim(self):
         return self.base_constraint.event_dim + self.reinterpreted_batch_ndims
+
+    def __repr__(self):
+        return f"IndependentConstraint({self.base_constraint!r}, {self.reinterpreted_batch_ndims})"
 
     def check(self, value):
         ok = self.base_constraint.check(value)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tensorflow as tf
+
 from tfdist.distributions import constraints
 from tfdist.distributions._tfp_backed import tfd
 from tfdist.distributions.exp_family import ExponentialFamily
@@ -24,6 +26,17 @@ class Dirichlet(ExponentialFamily):
         if self.concentration.shape.rank < 1:
             raise ValueError("`concentration` parameter must be at least one-dimensional.")
         super().__init__(self.concentration.shape[:-1], self.concentration.shape[-1:], validate_args)
+
+    @property
+    def mode(self):
+        """torch's rule: (c - 1)+ normalised; where every concentration is below 1, the corner of the
+        largest one (the density is unbounded at every corner; torch picks one)."""
+        c = self.concentration
+        cm1 = tf.maximum(c - 1, 0.0)
+        total = tf.reduce_sum(cm1, -1, keepdims=True)
+        interior = cm1 / total  # NaN where every concentration is 1 (flat), as torch
+        corner = tf.one_hot(tf.argmax(interior, axis=-1), tf.shape(c)[-1], dtype=c.dtype)
+        return tf.where(tf.reduce_all(c < 1, axis=-1, keepdims=True), corner, interior)
 
     def _tfp(self):
         return tfd().Dirichlet(self.concentration)

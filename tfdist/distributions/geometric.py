@@ -33,3 +33,8 @@ class Geometric(_ProbsLogits):
 
     def _tfp(self):
         return tfd().Geometric(probs=self.probs)
+
+    def entropy(self):
+        """0 where probs = 1 (success at once), as torch; TFP gives NaN there."""
+        probs = tf.convert_to_tensor(self.probs)
+        return tf.where(probs >= 1, tf.zeros_like(probs), self._tfp().entropy())

@@ -11,5 +11,18 @@ from tfdist.distributions._tfp_backed import tfd
 __all__ = ["HalfCauchy"]
 
 
-HalfCauchy = _one("HalfCauchy", "scale", lambda s: tfd().HalfCauchy(loc=tf.zeros_like(s), scale=s),
+_HalfCauchy = _one("HalfCauchy", "scale", lambda s: tfd().HalfCauchy(loc=tf.zeros_like(s), scale=s),
                   constraints.nonnegative)
+
+
+class HalfCauchy(_HalfCauchy):
+    __doc__ = _HalfCauchy.__doc__
+
+    @property
+    def mean(self):
+        """Infinite (the integral diverges), as torch."""
+        return tf.zeros_like(self.scale) + float("inf")
+
+    @property
+    def variance(self):
+        return tf.zeros_like(self.scale) + float("inf")

@@ -27,7 +27,7 @@ class Multinomial(Distribution):
 
     @property
     def support(self):
-        return constraints.independent(constraints.integer_interval(0, self.total_count), 1)
+        return constraints.multinomial(self.total_count)
 
     @property
     def probs(self):
@@ -45,6 +45,19 @@ class Multinomial(Distribution):
 
     def expand(self, batch_shape, _instance=None):
         return Multinomial(self.total_count, logits=self._categorical.expand(batch_shape).logits)
+
+    def entropy(self):
+        """torch's formula: n H(categorical) - lgamma(n + 1) + sum_k E[lgamma(x_k + 1)], each x_k
+        Binomial(n, p_k), the expectation taken over its support 0..n."""
+        n = self.total_count
+        probs = self.probs
+        counts = tf.cast(tf.range(n + 1), probs.dtype)  # [n + 1]
+        p = probs[..., tf.newaxis]  # [..., K, 1]
+        log_pmf = (tf.math.lgamma(tf.cast(n + 1, probs.dtype)) - tf.math.lgamma(counts + 1)
+                   - tf.math.lgamma(n - counts + 1)
+                   + tf.math.xlogy(counts, p) + tf.math.xlog1py(n - counts, -p))
+        expected = tf.reduce_sum(tf.exp(log_pmf) * tf.math.lgamma(counts + 1), axis=[-1, -2])
+        return n * self._categorical.entropy() - tf.math.lgamma(tf.cast(n + 1, probs.dtype)) + expected
 
     @property
     def mean(self):

@@ -15,7 +15,7 @@ class OneHotCategorical(Distribution):
     """OneHotCategorical(probs|logits): one-hot vectors of length K."""
 
     arg_constraints = {"probs": constraints.simplex, "logits": constraints.real_vector}
-    support = constraints.independent(constraints.boolean, 1)
+    support = constraints.one_hot
     has_enumerate_support = True
 
     def __init__(self, probs=None, logits=None, validate_args=None):

@@ -18,7 +18,7 @@ class Uniform(_TFPBacked):
     arg_constraints = {"low": constraints.dependent, "high": constraints.dependent}
     has_rsample = True
     _params = ("low", "high")
-    support = _Support(lambda self: constraints.half_open_interval(self.low, self.high))
+    support = _Support(lambda self: constraints.interval(self.low, self.high))  # torch's object
 
     def __init__(self, low, high, validate_args=None):
         self.low, self.high = broadcast_all(low, high)

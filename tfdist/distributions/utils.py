@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import numpy as np
 import tensorflow as tf
 
 __all__ = ["broadcast_all", "as_shape"]
@@ -23,9 +24,12 @@ def _sum_rightmost(value: tf.Tensor, dims: int) -> tf.Tensor:
 
 def broadcast_all(*values: Any, dtype=None) -> list[tf.Tensor]:
     """Converts and broadcasts parameters to one shape (torch's broadcast_all)."""
-    tensors = [v for v in values if isinstance(v, (tf.Tensor, tf.Variable))]
+    # tensors, and numpy arrays of a float dtype, keep their dtype (torch: Python numbers take the
+    # default dtype, tensors their own); Python numbers follow them
+    tensors = [v for v in values if isinstance(v, (tf.Tensor, tf.Variable))
+               or (isinstance(v, (np.ndarray, np.generic)) and np.issubdtype(v.dtype, np.floating))]
     if dtype is None:
-        dtype = tensors[0].dtype if tensors else tf.float32
+        dtype = tf.as_dtype(tensors[0].dtype) if tensors else tf.float32
         if not dtype.is_floating:
             dtype = tf.float32
     converted = [tf.convert_to_tensor(v, dtype=dtype) if not isinstance(v, tf.Tensor) or v.dtype != dtype

@@ -10,5 +10,5 @@ from tfdist.distributions._parameterised import _two
 __all__ = ["VonMises"]
 
 
-VonMises = _two("VonMises", "VonMises", "loc", "concentration", constraints.interval(-math.pi, math.pi),
+VonMises = _two("VonMises", "VonMises", "loc", "concentration", constraints.real,
                 has_rsample=False)
