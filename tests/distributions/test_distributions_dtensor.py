@@ -11,8 +11,18 @@ from tensorflow.experimental import dtensor
 import tfdist
 from conftest import make_mesh
 from tfdist import distributions as D
-from tfdist.keras._data import gather_to_numpy
-from tfdist.tensor import Shard, distribute_tensor
+from tfdist.tensor import DTensor, Shard, distribute_tensor
+
+
+def layout_specs(t):
+    """Results from tfdist DTensor parameters are tfdist DTensors (torch: DTensor in, DTensor out)."""
+    assert isinstance(t, DTensor), type(t)
+    return dtensor.fetch_layout(t.to_tf()).sharding_specs
+
+
+def gather_to_numpy(t):
+    assert isinstance(t, DTensor), type(t)
+    return t.numpy()
 
 
 def test_log_prob_and_sample_stay_sharded():
@@ -23,11 +33,11 @@ def test_log_prob_and_sample_stay_sharded():
     dist = D.Normal(loc, scale)
     x = distribute_tensor(np.zeros(8, np.float32), mesh, [Shard(0), tfdist.tensor.Replicate()])
     lp = dist.log_prob(x)
-    assert dtensor.fetch_layout(lp).sharding_specs == ["dp"]
+    assert layout_specs(lp) == ["dp"]
     np.testing.assert_allclose(gather_to_numpy(lp), st.norm(loc_np, 2.0).logpdf(0.0), rtol=1e-5)
     tf.random.set_seed(3)
     samples = dist.sample((4000,))
-    assert dtensor.fetch_layout(samples).sharding_specs == ["unsharded", "dp"]
+    assert layout_specs(samples) == ["unsharded", "dp"]
     values = gather_to_numpy(samples)
     assert values.shape == (4000, 8)
     np.testing.assert_allclose(values.mean(0), loc_np, atol=4 * 2.0 / np.sqrt(4000))
@@ -45,7 +55,20 @@ def test_gamma_samples_sharded_and_poisson_without_icdf_is_a_clear_error():
     conc = distribute_tensor(np.full(8, 2.0, np.float32), mesh, [Shard(0)])
     tf.random.set_seed(5)
     draws = D.Gamma(conc, conc).sample((3000,))
-    assert dtensor.fetch_layout(draws).sharding_specs == ["unsharded", "x"]
+    assert layout_specs(draws) == ["unsharded", "x"]
     assert st.kstest(gather_to_numpy(draws)[:, 3], st.gamma(2.0, scale=0.5).cdf).pvalue > 1e-4
     with pytest.raises(NotImplementedError, match="needs its icdf"):
         D.Poisson(conc).sample((3,))
+
+
+def test_dtensor_parameters_mix_with_numbers_and_plain_tensors():
+    mesh = make_mesh((8,))
+    x = np.linspace(-1, 1, 8).astype(np.float32)
+    loc = distribute_tensor(np.zeros(8, np.float32), mesh, [Shard(0)])
+    dist = D.Normal(loc, 1.0)  # torch broadcasts the number; TF DTensor alone would refuse it
+    lp = dist.log_prob(x)  # a plain array beside DTensor parameters
+    assert layout_specs(lp) == ["x"]
+    np.testing.assert_allclose(lp.numpy(), st.norm.logpdf(x), rtol=1e-5)
+    assert isinstance(dist.mean, DTensor) and isinstance(dist.entropy(), DTensor)
+    binomial = D.Binomial(total_count=4, probs=distribute_tensor(np.full(8, 0.3, np.float32), mesh, [Shard(0)]))
+    np.testing.assert_allclose(binomial.entropy().numpy(), st.binom(4, 0.3).entropy(), rtol=1e-5)

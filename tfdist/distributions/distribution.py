@@ -8,18 +8,105 @@ event dims.  Methods a distribution does not define raise
 
 from __future__ import annotations
 
+import functools
+import threading
+
+import numpy as np
 import tensorflow as tf
+from tensorflow.experimental import dtensor
 
 from tfdist.distributions import constraints
-from tfdist.distributions.utils import as_shape
+from tfdist.distributions.utils import as_shape, onto_mesh_of
 
 __all__ = ["Distribution"]
 
 _VALIDATE_DEFAULT = True  # torch validates by default (when not under -O)
 
 
+_METHODS = ("log_prob", "cdf", "icdf", "entropy", "sample", "rsample", "sample_n", "perplexity", "enumerate_support")
+_PROPERTIES = ("mean", "mode", "variance", "stddev")
+_depth = threading.local()
+
+
+def _tfdist_dtensor():
+    from tfdist.tensor._api import DTensor
+
+    return DTensor
+
+
+def _public(fn):
+    """A public method or property getter that speaks tfdist DTensors: tfdist DTensor arguments go in
+    as TF DTensors, ordinary tensors beside DTensor parameters go onto their mesh, and the outermost
+    call returns tfdist DTensors when the distribution was made from tfdist DTensors."""
+    if getattr(fn, "_tfdist_public", False):
+        return fn
+
+    @functools.wraps(fn)
+    def call(self, *args, **kwargs):
+        DTensor = _tfdist_dtensor()
+        anchor = getattr(self, "_dtensor_anchor", None)
+
+        def arg(v):
+            if isinstance(v, DTensor):
+                return v.to_tf()
+            if anchor is not None and isinstance(v, (tf.Tensor, np.ndarray, float, int)) and not isinstance(v, bool) \
+                    and tf.executing_eagerly() and not (isinstance(v, tf.Tensor) and dtensor.is_dtensor(v)) \
+                    and np.ndim(v) > 0:
+                return onto_mesh_of(tf.convert_to_tensor(v, dtype=anchor.dtype if np.ndim(v) else None), anchor)
+            return v
+
+        depth = getattr(_depth, "n", 0)
+        _depth.n = depth + 1
+        try:
+            result = fn(self, *[arg(a) for a in args], **{k: arg(v) for k, v in kwargs.items()})
+        finally:
+            _depth.n = depth
+        if depth == 0 and getattr(self, "_tfdist_results", False) and isinstance(result, tf.Tensor) \
+                and tf.executing_eagerly() and dtensor.is_dtensor(result):
+            return DTensor.from_tf(result)
+        return result
+
+    call._tfdist_public = True
+    return call
+
+
+def _marking(init):
+    """``__init__`` that notes tfdist DTensor parameters (results come back as tfdist DTensors) and the
+    first DTensor parameter (ordinary method arguments are placed on its mesh)."""
+    if getattr(init, "_tfdist_public", False):
+        return init
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        DTensor = _tfdist_dtensor()
+        if any(isinstance(v, DTensor) for v in (*args, *kwargs.values())):
+            self._tfdist_results = True
+        init(self, *args, **kwargs)
+        if getattr(self, "_dtensor_anchor", None) is None and tf.executing_eagerly():
+            for v in list(vars(self).values()):
+                if isinstance(v, tf.Tensor) and dtensor.is_dtensor(v):
+                    self._dtensor_anchor = v
+                    break
+
+    __init__._tfdist_public = True
+    return __init__
+
+
 class Distribution:
     """Base class of every distribution (torch.distributions.Distribution)."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for name in _METHODS:
+            fn = cls.__dict__.get(name)
+            if callable(fn):
+                setattr(cls, name, _public(fn))
+        for name in _PROPERTIES:
+            prop = cls.__dict__.get(name)
+            if isinstance(prop, property) and prop.fget is not None:
+                setattr(cls, name, property(_public(prop.fget), doc=prop.__doc__))
+        if "__init__" in cls.__dict__:
+            cls.__init__ = _marking(cls.__dict__["__init__"])
 
     has_rsample = False
     has_enumerate_support = False

@@ -6,6 +6,7 @@ from typing import Any, Sequence
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.experimental import dtensor
 
 __all__ = ["broadcast_all", "as_shape"]
 
@@ -22,8 +23,37 @@ def _sum_rightmost(value: tf.Tensor, dims: int) -> tf.Tensor:
     return tf.reduce_sum(value, axis=list(range(-dims, 0))) if dims > 0 else value
 
 
+def _tfdist_dtensor_type():
+    from tfdist.tensor._api import DTensor  # the tensor package never imports this one
+
+    return DTensor
+
+
+def is_dtensor_value(v: Any) -> bool:
+    """A TF DTensor (eager) or a tfdist DTensor."""
+    if isinstance(v, _tfdist_dtensor_type()):
+        return True
+    return isinstance(v, tf.Tensor) and tf.executing_eagerly() and dtensor.is_dtensor(v)
+
+
+def onto_mesh_of(value: tf.Tensor, like: tf.Tensor) -> tf.Tensor:
+    """``value`` (an ordinary tensor) as a TF DTensor next to ``like``: replicated on its mesh, then
+    laid out as ``like`` when the shapes agree (TF DTensor ops refuse ordinary tensors beside DTensors)."""
+    layout = dtensor.fetch_layout(like)
+    value = dtensor.copy_to_mesh(value, dtensor.Layout.replicated(layout.mesh, value.shape.rank))
+    if value.shape == like.shape and not layout.is_fully_replicated():
+        value = dtensor.relayout(value, layout)
+    return value
+
+
 def broadcast_all(*values: Any, dtype=None) -> list[tf.Tensor]:
-    """Converts and broadcasts parameters to one shape (torch's broadcast_all)."""
+    """Converts and broadcasts parameters to one shape (torch's broadcast_all).
+
+    tfdist DTensors become TF DTensors; Python numbers and ordinary tensors
+    beside a DTensor are placed on its mesh (torch broadcasts them freely).
+    """
+    DTensor = _tfdist_dtensor_type()
+    values = tuple(v.to_tf() if isinstance(v, DTensor) else v for v in values)
     # tensors, and numpy arrays of a float dtype, keep their dtype (torch: Python numbers take the
     # default dtype, tensors their own); Python numbers follow them
     tensors = [v for v in values if isinstance(v, (tf.Tensor, tf.Variable))
@@ -38,4 +68,14 @@ def broadcast_all(*values: Any, dtype=None) -> list[tf.Tensor]:
     shape = tf.TensorShape(())
     for v in converted:
         shape = tf.broadcast_static_shape(shape, v.shape)
-    return [tf.broadcast_to(v, shape) for v in converted]
+    anchor = next((v for v in converted if is_dtensor_value(v)), None)
+    if anchor is None:
+        return [tf.broadcast_to(v, shape) for v in converted]
+    out = []
+    for v in converted:
+        if not is_dtensor_value(v):
+            v = onto_mesh_of(tf.broadcast_to(v, shape), anchor)
+        elif v.shape != shape:
+            v = tf.broadcast_to(v, shape)
+        out.append(v)
+    return out
