@@ -89,3 +89,25 @@ def test_extensions_are_still_extensions():
     """Every (family, method) listed as a tfdist extension is one torch refuses in the fixtures."""
     refused = {(c["family"], m) for c in CASES for m in ("mode", "cdf", "entropy") if "error" in c.get(m, {})}
     assert EXTENSIONS <= refused
+
+
+def test_validate_args_inside_tf_function_with_torchs_message():
+    import tensorflow as tf
+
+    @tf.function(autograph=False)
+    def log_prob(scale, x):
+        return D.Normal(0.0, scale, validate_args=True).log_prob(x)
+
+    np.testing.assert_allclose(log_prob(tf.constant(1.0), tf.constant(0.5)).numpy(), -1.0439385, rtol=1e-6)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="Expected parameter scale .* to satisfy the constraint "
+                                                             "GreaterThan"):
+        log_prob(tf.constant(-1.0), tf.constant(0.5))
+
+    @tf.function(autograph=False)
+    def exponential(x):
+        return D.Exponential(1.0, validate_args=True).log_prob(x)
+
+    with pytest.raises(tf.errors.InvalidArgumentError, match="Expected value argument .* within the support"):
+        exponential(tf.constant(-1.0))
+    with pytest.raises(ValueError, match="Expected value argument"):  # eagerly: torch's ValueError
+        D.Exponential(1.0, validate_args=True).log_prob(-1.0)

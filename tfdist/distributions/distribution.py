@@ -92,6 +92,23 @@ def _marking(init):
     return __init__
 
 
+def _in_dtensor_program() -> bool:
+    """True while tracing a function that DTensor runs (its inputs carry layouts)."""
+    graph = tf.compat.v1.get_default_graph()
+    try:
+        return any("_layout" in op.node_def.attr or op.type == "DTensorLayout" for op in graph.get_operations()[:64])
+    except Exception:  # noqa: BLE001 - a graph we cannot inspect: be safe, no assertion
+        return True
+
+
+def _graph_check(ok: tf.Tensor, message: str) -> None:
+    """Inside a traced function: an assertion that fails the step with torch's message
+    (tf.errors.InvalidArgumentError; a traced function cannot raise a Python ValueError at run time)."""
+    if _in_dtensor_program():
+        return  # an op error inside a DTensor program poisons the executor for every later step
+    tf.debugging.assert_equal(tf.reduce_all(ok), True, message=message)
+
+
 class Distribution:
     """Base class of every distribution (torch.distributions.Distribution)."""
 
@@ -125,7 +142,7 @@ class Distribution:
         self._batch_shape = as_shape(batch_shape)
         self._event_shape = as_shape(event_shape)
         self._validate_args = _VALIDATE_DEFAULT if validate_args is None else validate_args
-        if self._validate_args and tf.executing_eagerly():
+        if self._validate_args:
             self._check_parameters()
 
     def _check_parameters(self) -> None:
@@ -136,12 +153,14 @@ class Distribution:
             if value is None or isinstance(value, property):
                 continue
             ok = constraint.check(value)
+            message = (f"Expected parameter {name} ({type(value).__name__} of shape {tuple(value.shape)}) "
+                       f"of distribution {type(self).__name__} to satisfy the constraint {constraint!r}, "
+                       "but found invalid values")
+            if not tf.executing_eagerly():
+                _graph_check(ok, message)
+                continue
             if not bool(tf.reduce_all(ok)):
-                raise ValueError(
-                    f"Expected parameter {name} ({type(value).__name__} of shape {tuple(value.shape)}) "
-                    f"of distribution {type(self).__name__} to satisfy the constraint {constraint!r}, "
-                    f"but found invalid values:\n{value}"
-                )
+                raise ValueError(f"{message}:\n{value}")
 
     # -- shapes ----------------------------------------------------------------
     @property
@@ -210,7 +229,7 @@ class Distribution:
 
     # -- validation ---------------------------------------------------------------------
     def _validate_sample(self, value) -> None:
-        if not self._validate_args or not tf.executing_eagerly() or self.support is None:
+        if not self._validate_args or self.support is None:
             return
         value = tf.convert_to_tensor(value)
         event_ndims = len(self._event_shape)
@@ -222,12 +241,14 @@ class Distribution:
         support = self.support
         if constraints.is_dependent(support):
             return
+        message = (f"Expected value argument ({type(value).__name__} of shape {tuple(value.shape)}) to be "
+                   f"within the support ({support!r}) of the distribution {type(self).__name__}, but found "
+                   "invalid values")
+        if not tf.executing_eagerly():
+            _graph_check(support.check(value), message)
+            return
         if not bool(tf.reduce_all(support.check(value))):
-            raise ValueError(
-                f"Expected value argument ({type(value).__name__} of shape {tuple(value.shape)}) to be "
-                f"within the support ({support!r}) of the distribution {type(self).__name__}, but found "
-                f"invalid values:\n{value}"
-            )
+            raise ValueError(f"{message}:\n{value}")
 
     def __repr__(self) -> str:
         params = ", ".join(
