@@ -26,7 +26,8 @@ TORCH_BUGS = {("Kumaraswamy", "mode")}
 # torch raises NotImplementedError, tfdist computes (from TFP): a superset, kept on purpose
 EXTENSIONS = {("Bernoulli", "cdf"), ("Beta", "cdf"), ("Binomial", "cdf"), ("Categorical", "cdf"),
               ("ContinuousBernoulli", "mode"), ("Geometric", "cdf"), ("NegativeBinomial", "cdf"),
-              ("Poisson", "cdf"), ("StudentT", "cdf"), ("VonMises", "cdf"), ("VonMises", "entropy")}
+              ("Poisson", "cdf"), ("StudentT", "cdf"), ("VonMises", "cdf"), ("VonMises", "entropy"),
+              ("VonMises", "perplexity")}
 
 
 def _decode(x):
@@ -43,7 +44,7 @@ def _dist(case):
 def _calls(case, dist):
     points = np.asarray(case["points"], np.float64)
     calls = {p: (lambda p=p: getattr(dist, p)) for p in ("mean", "mode", "variance", "stddev")}
-    calls.update(entropy=dist.entropy, log_prob=lambda: dist.log_prob(points), cdf=lambda: dist.cdf(points))
+    calls.update(entropy=dist.entropy, perplexity=dist.perplexity, log_prob=lambda: dist.log_prob(points), cdf=lambda: dist.cdf(points))
     if "icdf" in case:
         calls["icdf"] = lambda: dist.icdf(np.asarray(case["qs"], np.float64))
     if "enumerate_support" in case:
@@ -85,9 +86,34 @@ def test_support_is_torchs_constraint(case):
     assert dist.support.event_dim == case["event_dim"]
 
 
+KL = FIXTURES["kl"]
+# torch answers inf for KL(ContinuousBernoulli || Uniform(low, high)) whenever low >= 0 or high <= 1, so
+# also for Uniform(0, 2), which covers [0, 1]: the divergence there is -H(p) + log 2, finite; tfdist keeps it
+KL_TORCH_BUGS = {("ContinuousBernoulli", "Uniform")}
+
+
+def _make(family, params):
+    kwargs = {k: (np.asarray(v, np.float64) if isinstance(v, (list, float)) else v) for k, v in params.items()}
+    return getattr(D, family)(**kwargs, validate_args=False)
+
+
+@pytest.mark.parametrize("pair", KL, ids=[f"{k['p']}-{k['q']}" for k in KL])
+def test_kl_divergence_matches_torch(pair):
+    got = np.asarray(D.kl_divergence(_make(pair["p"], pair["p_params"]), _make(pair["q"], pair["q_params"])),
+                     np.float64)
+    want = np.asarray(_decode(pair["value"]), np.float64)
+    if (pair["p"], pair["q"]) in KL_TORCH_BUGS and np.isinf(want).all():
+        p = _make(pair["p"], pair["p_params"])
+        q = _make(pair["q"], pair["q_params"])
+        want = -np.asarray(p.entropy(), np.float64) + np.log(float(q.high) - float(q.low))
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-9)
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
+
+
 def test_extensions_are_still_extensions():
     """Every (family, method) listed as a tfdist extension is one torch refuses in the fixtures."""
-    refused = {(c["family"], m) for c in CASES for m in ("mode", "cdf", "entropy") if "error" in c.get(m, {})}
+    refused = {(c["family"], m) for c in CASES for m in ("mode", "cdf", "entropy", "perplexity")
+               if "error" in c.get(m, {})}
     assert EXTENSIONS <= refused
 
 

@@ -125,12 +125,22 @@ def _tfp_kl(p, q):
 
 
 for _pair in (
-    (Normal, Normal), (Bernoulli, Bernoulli), (Categorical, Categorical),
+    (Normal, Normal), (Bernoulli, Bernoulli),
     (Exponential, Exponential), (Gamma, Gamma), (Beta, Beta), (Laplace, Laplace),
     (Dirichlet, Dirichlet), (MultivariateNormal, MultivariateNormal),
     (Gumbel, Gumbel), (HalfNormal, HalfNormal), (LogNormal, LogNormal),
 ):
     register_kl(*_pair)(_tfp_kl)
+
+
+@register_kl(Categorical, Categorical)
+def _kl_categorical_categorical(p, q):
+    """torch's: infinite where q gives a class probability 0 that p does not, 0 terms where p is 0."""
+    p_probs, q_probs = p.probs, q.probs
+    terms = p_probs * (p.logits - q.logits)
+    terms = tf.where(tf.equal(q_probs, 0), tf.constant(float("inf"), terms.dtype), terms)
+    terms = tf.where(tf.equal(p_probs, 0), tf.zeros_like(terms), terms)
+    return tf.reduce_sum(terms, axis=-1)
 
 
 @register_kl(Uniform, Uniform)
@@ -372,7 +382,7 @@ def _xent_laplace(p, q):
     # p Normal: E|x - mu_q| is the mean of a folded normal
     delta, s = p.loc - q.loc, p.scale
     e_abs = (s * _math.sqrt(2 / _math.pi) * tf.exp(-delta ** 2 / (2 * s ** 2))
-             + delta * (1 - 2 * Normal(0.0, 1.0)._tfp().cdf(-delta / s)))
+             + delta * (1 - 2 * Normal(tf.zeros_like(s), tf.ones_like(s))._tfp().cdf(-delta / s)))
     return -tf.math.log(2 * q.scale) - e_abs / q.scale, None
 
 

@@ -6,6 +6,7 @@ import tensorflow as tf
 
 from tfdist.distributions import constraints
 from tfdist.distributions._tfp_backed import _TFPBacked, tfd
+from tfdist.distributions.utils import as_float_tensor
 
 __all__ = ["LowRankMultivariateNormal"]
 
@@ -21,7 +22,7 @@ class LowRankMultivariateNormal(_TFPBacked):
     _param_event_ndims = {"loc": 1, "cov_factor": 2, "cov_diag": 1}
 
     def __init__(self, loc, cov_factor, cov_diag, validate_args=None):
-        loc = tf.convert_to_tensor(loc, dtype_hint=tf.float32)
+        loc = as_float_tensor(loc)
         self.cov_factor = tf.cast(cov_factor, loc.dtype)
         self.cov_diag = tf.cast(cov_diag, loc.dtype)
         if self.cov_factor.shape[-2] != loc.shape[-1]:

@@ -6,6 +6,7 @@ import tensorflow as tf
 
 from tfdist.distributions import constraints, distribution
 from tfdist.distributions._tfp_backed import _TFPBacked, tfd
+from tfdist.distributions.utils import as_float_tensor
 
 __all__ = ["MultivariateNormal"]
 
@@ -25,7 +26,7 @@ class MultivariateNormal(_TFPBacked):
             raise ValueError(
                 "Exactly one of covariance_matrix or precision_matrix or scale_tril may be specified."
             )
-        loc = tf.convert_to_tensor(loc, dtype_hint=tf.float32)
+        loc = as_float_tensor(loc)
         if loc.shape.rank < 1:
             raise ValueError("loc must be at least one-dimensional.")
         validate = distribution._VALIDATE_DEFAULT if validate_args is None else validate_args

@@ -8,7 +8,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-__all__ = ["broadcast_all", "as_shape"]
+__all__ = ["broadcast_all", "as_shape", "as_float_tensor"]
 
 
 def as_shape(shape: Sequence[int] | int) -> tf.TensorShape:
@@ -21,6 +21,15 @@ def as_shape(shape: Sequence[int] | int) -> tf.TensorShape:
 def _sum_rightmost(value: tf.Tensor, dims: int) -> tf.Tensor:
     """Sums the rightmost ``dims`` dims of ``value`` (none when ``dims <= 0``)."""
     return tf.reduce_sum(value, axis=list(range(-dims, 0))) if dims > 0 else value
+
+
+def as_float_tensor(value: Any) -> tf.Tensor:
+    """A tensor of ``value``: tensors and float numpy arrays keep their float dtype, the rest is float32
+    (torch: tensors keep their dtype, Python numbers take the default)."""
+    dtype = getattr(value, "dtype", None)
+    if dtype is not None and tf.as_dtype(dtype).is_floating:
+        return tf.convert_to_tensor(value, dtype=tf.as_dtype(dtype))
+    return tf.convert_to_tensor(value, dtype=tf.float32)
 
 
 def _tfdist_dtensor_type():
