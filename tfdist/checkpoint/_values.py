@@ -23,7 +23,8 @@ from tensorflow.experimental import dtensor
 
 from tfdist.checkpoint.metadata import ChunkStorageMetadata
 from tfdist.device_mesh import DeviceMesh
-from tfdist.tensor._api import DTensor
+from tfdist.tensor._api import DTensor, distribute_tensor
+from tfdist.tensor._modules import module_backend
 from tfdist.tensor._layout import DTensorSpec, placements_from_tf_layout
 from tfdist.tensor.placement_types import Replicate
 
@@ -42,8 +43,6 @@ def is_tensor_like(obj: Any) -> bool:
 def _variable_value(variable: Any) -> tf.Tensor:
     if isinstance(variable, tf.Variable):
         return variable.read_value()
-    from tfdist.tensor._modules import module_backend  # Keras variables go through the module backend
-
     return module_backend(variable, "checkpoint").stored_value(variable)
 
 
@@ -161,8 +160,6 @@ def _onto_template(template: Any, value: Any) -> Any:
     if layout is None:
         return tf.convert_to_tensor(value)
     spec = _spec_of_layout(layout.to_string(), tuple(template.shape))
-    from tfdist.tensor._api import distribute_tensor
-
     return distribute_tensor(tf.convert_to_tensor(value), spec.mesh, spec.placements).to_tf()
 
 

@@ -29,6 +29,9 @@ import tensorflow as tf
 from tfdist.checkpoint import _tf_io
 from tfdist.checkpoint.filesystem import FileSystemReader
 from tfdist.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from tfdist.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from tfdist.checkpoint.state_dict_loader import load
+from tfdist.checkpoint.state_dict_saver import save
 
 __all__ = [
     "dcp_to_tf_checkpoint", "tf_checkpoint_to_dcp", "dcp_to_safetensors", "safetensors_to_dcp",
@@ -92,8 +95,6 @@ def _mapped(state: Mapping[str, Any], name_map: NameMap, transform: Transform) -
 
 
 def _save_whole(state: dict[str, Any], dcp_checkpoint_dir: str | os.PathLike) -> None:
-    from tfdist.checkpoint.state_dict_saver import save
-
     save(state, checkpoint_id=dcp_checkpoint_dir, no_dist=True)
 
 
@@ -183,9 +184,6 @@ def dcp_to_keras_weights(dcp_checkpoint_dir: str | os.PathLike, model: Any, weig
 
         dcp_to_keras_weights("/tmp/ckpt", make_model(), "/tmp/model.weights.h5", prefix="model.")
     """
-    from tfdist.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-    from tfdist.checkpoint.state_dict_loader import load
-
     sd = get_model_state_dict(model)
     wrapped = {prefix + k: v for k, v in sd.items()}
     load(wrapped, checkpoint_id=dcp_checkpoint_dir, no_dist=True)
@@ -202,7 +200,5 @@ def keras_weights_to_dcp(weights_path: str | os.PathLike, model: Any, dcp_checkp
 
         keras_weights_to_dcp("/tmp/model.weights.h5", make_model(), "/tmp/ckpt", prefix="model.")
     """
-    from tfdist.checkpoint.state_dict import get_model_state_dict
-
     model.load_weights(os.fspath(weights_path))
     _save_whole({prefix + k: v for k, v in get_model_state_dict(model).items()}, dcp_checkpoint_dir)

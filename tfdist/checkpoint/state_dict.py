@@ -24,6 +24,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfdist import _runtime
+from tfdist.checkpoint._dist import Group
 from tfdist.fsdp import _state_dict as _weights
 from tfdist.tensor._api import DTensor, distribute_tensor
 from tfdist.tensor._modules import module_backend
@@ -231,8 +232,6 @@ def _assign(variable: Any, value: Any, name: str, options: StateDictOptions) -> 
 def _check_rank0_shapes(state_dict: dict[str, Any], variables: dict[str, Any], api: str) -> None:
     """With broadcast_from_rank0, every client learns rank 0's shapes first, so a wrong value raises
     the same error everywhere instead of a collective failing half-way."""
-    from tfdist.checkpoint._dist import Group
-
     group = Group(no_dist=False)
     shapes = {k: tuple(v.shape) if hasattr(v, "shape") else np.shape(v) for k, v in state_dict.items()} \
         if group.is_coordinator else None

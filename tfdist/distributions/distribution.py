@@ -17,6 +17,7 @@ from tensorflow.experimental import dtensor
 
 from tfdist.distributions import constraints
 from tfdist.distributions.utils import as_shape, onto_mesh_of
+from tfdist.tensor._api import DTensor
 
 __all__ = ["Distribution"]
 
@@ -28,12 +29,6 @@ _PROPERTIES = ("mean", "mode", "variance", "stddev")
 _depth = threading.local()
 
 
-def _tfdist_dtensor():
-    from tfdist.tensor._api import DTensor
-
-    return DTensor
-
-
 def _public(fn):
     """A public method or property getter that speaks tfdist DTensors: tfdist DTensor arguments go in
     as TF DTensors, ordinary tensors beside DTensor parameters go onto their mesh, and the outermost
@@ -43,7 +38,6 @@ def _public(fn):
 
     @functools.wraps(fn)
     def call(self, *args, **kwargs):
-        DTensor = _tfdist_dtensor()
         anchor = getattr(self, "_dtensor_anchor", None)
 
         def arg(v):
@@ -78,7 +72,6 @@ def _marking(init):
 
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
-        DTensor = _tfdist_dtensor()
         if any(isinstance(v, DTensor) for v in (*args, *kwargs.values())):
             self._tfdist_results = True
         init(self, *args, **kwargs)

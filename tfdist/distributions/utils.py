@@ -8,6 +8,8 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from tfdist.tensor._api import DTensor
+
 __all__ = ["broadcast_all", "as_shape", "as_float_tensor"]
 
 
@@ -32,15 +34,9 @@ def as_float_tensor(value: Any) -> tf.Tensor:
     return tf.convert_to_tensor(value, dtype=tf.float32)
 
 
-def _tfdist_dtensor_type():
-    from tfdist.tensor._api import DTensor  # the tensor package never imports this one
-
-    return DTensor
-
-
 def is_dtensor_value(v: Any) -> bool:
     """A TF DTensor (eager) or a tfdist DTensor."""
-    if isinstance(v, _tfdist_dtensor_type()):
+    if isinstance(v, DTensor):
         return True
     return isinstance(v, tf.Tensor) and tf.executing_eagerly() and dtensor.is_dtensor(v)
 
@@ -61,7 +57,6 @@ def broadcast_all(*values: Any, dtype=None) -> list[tf.Tensor]:
     tfdist DTensors become TF DTensors; Python numbers and ordinary tensors
     beside a DTensor are placed on its mesh (torch broadcasts them freely).
     """
-    DTensor = _tfdist_dtensor_type()
     values = tuple(v.to_tf() if isinstance(v, DTensor) else v for v in values)
     # tensors, and numpy arrays of a float dtype, keep their dtype (torch: Python numbers take the
     # default dtype, tensors their own); Python numbers follow them

@@ -21,8 +21,14 @@ from concurrent.futures import Future
 from typing import Any
 
 import keras
+from keras.src.backend.common import global_state
 
+import tfdist.checkpoint as dcp
 from tfdist import _runtime
+from tfdist.checkpoint.state_dict import (
+    get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
+)
+from tfdist.tensor._modules import module_backend
 
 _NAME = re.compile(r"^step-(\d{9})$")
 
@@ -30,10 +36,6 @@ _NAME = re.compile(r"^step-(\d{9})$")
 def _seed_generators(model: Any) -> dict[str, Any]:
     """Random-generator state variables by layer path (Keras numbers its generators per process, so
     their variable paths differ between runs; the layer paths do not), and Keras's global one."""
-    from keras.src.backend.common import global_state
-
-    from tfdist.tensor._modules import module_backend
-
     out = {}
     for path, layer in module_backend(model, "DistributedCheckpoint").named_layers(model):
         for i, generator in enumerate(getattr(layer, "_seed_generators", []) or []):
@@ -79,8 +81,6 @@ class DistributedCheckpoint(keras.callbacks.Callback):
 
     # -- what is saved -------------------------------------------------------------------
     def _state(self, epoch_end: bool) -> dict[str, Any]:
-        from tfdist.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
         model = self.model
         state = {"model": get_model_state_dict(model), "rng": _seed_generators(model),
                  "progress": {"epoch": self._epoch, "epoch_end": epoch_end}}
@@ -93,8 +93,6 @@ class DistributedCheckpoint(keras.callbacks.Callback):
         return int(optimizer.iterations.numpy()) if optimizer is not None else 0
 
     def _save(self, epoch_end: bool) -> None:
-        import tfdist.checkpoint as dcp
-
         self._wait()
         path = self.directory / f"step-{self._step():09d}"
         if epoch_end is False and (path / ".metadata").exists():
@@ -134,9 +132,6 @@ class DistributedCheckpoint(keras.callbacks.Callback):
 
         Returns its progress ``{"epoch", "epoch_end"}``, or None if there is none.
         """
-        import tfdist.checkpoint as dcp
-        from tfdist.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
         candidates = [pathlib.Path(path)] if path is not None else list(reversed(self.checkpoints()))
         for candidate in candidates:
             state = self._state(epoch_end=False)

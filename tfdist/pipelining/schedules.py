@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 import tensorflow as tf
 
 from tfdist.pipelining import _orders
+from tfdist.pipelining import _timeline
 from tfdist.pipelining._actions import B, F, I, OVERLAP_F_B, REDUCE_GRAD, W, Action, format_pipeline_order
 from tfdist.pipelining.microbatch import TensorChunkSpec, merge_chunks, split_args_kwargs_into_chunks
 from tfdist.pipelining.stage import PipelineStage
@@ -359,8 +360,6 @@ class PipelineScheduleMulti(_PipelineSchedule):
             for m in range(self._n_microbatches):
                 if (s, F, m) not in done or not ({(s, B, m), (s, I, m)} & done):
                     raise ValueError(f"order: stage {s} microbatch {m} needs a forward and a backward.")
-        from tfdist.pipelining import _timeline
-
         try:
             _timeline.simulate(parsed, self._num_stages)
         except RuntimeError as e:
