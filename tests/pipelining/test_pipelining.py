@@ -101,21 +101,11 @@ def test_unscaled_gradients_are_the_sum_over_microbatches(float64):
     np.testing.assert_allclose(stages[0].grads[0].numpy(), 4 * want[0].numpy(), rtol=1e-12)
 
 
-@pytest.mark.parametrize("schedule,groups", [(Schedule1F1B, 4), (ScheduleInterleaved1F1B, 2)])
-def test_tensor_parallel_stages_train_like_the_unpipelined_model(float64, schedule, groups):
-    # stages on 2-device sub-meshes, each stage Megatron-style tensor parallel inside
-    ref = whole(blocks())
+def train_and_compare(ref, stages, pipe, steps):
+    """``steps`` Adam steps of the whole model and of the pipeline; the weights must agree."""
     ref_opt = keras.optimizers.Adam(1e-2)
-    parts = blocks()
-    stages = []
-    for i, part in enumerate(parts):
-        r = i % groups
-        sub = DeviceMesh("cpu", [2 * r, 2 * r + 1], mesh_dim_names=("tp",))
-        parallelize_module(part, sub, {"up": ColwiseParallel(), "down": RowwiseParallel()})
-        stages.append(PipelineStage(part, i, 4, sub))
-    pipe = schedule(stages, 4, loss_fn=mse)
     opts = [keras.optimizers.Adam(1e-2) for _ in stages]
-    for _ in range(10):
+    for _ in range(steps):
         with tf.GradientTape() as tape:
             loss = mse(ref(X), Y)
         ref_opt.apply(tape.gradient(loss, ref.trainable_variables), ref.trainable_variables)
@@ -127,6 +117,20 @@ def test_tensor_parallel_stages_train_like_the_unpipelined_model(float64, schedu
     got = [v.numpy() for s in stages for v in s.submod.trainable_variables]
     for a, b in zip(got, [v.numpy() for v in ref.trainable_variables]):
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("schedule,groups", [(Schedule1F1B, 4), (ScheduleInterleaved1F1B, 2)])
+def test_tensor_parallel_stages_train_like_the_unpipelined_model(float64, schedule, groups):
+    # stages on 2-device sub-meshes, each stage Megatron-style tensor parallel inside
+    ref = whole(blocks())
+    parts = blocks()
+    stages = []
+    for i, part in enumerate(parts):
+        r = i % groups
+        sub = DeviceMesh("cpu", [2 * r, 2 * r + 1], mesh_dim_names=("tp",))
+        parallelize_module(part, sub, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        stages.append(PipelineStage(part, i, 4, sub))
+    train_and_compare(ref, stages, schedule(stages, 4, loss_fn=mse), steps=10)
 
 
 def test_eval_is_forward_only(float64):
@@ -301,27 +305,13 @@ def test_pp_dp_tp_2x2x2_trains_like_the_unpipelined_model(float64):
     from tfdist.fsdp import fully_shard
 
     ref = whole(blocks(2))
-    ref_opt = keras.optimizers.Adam(1e-2)
     stages = []
     for i, part in enumerate(blocks(2)):  # each stage on a (dp, tp) = 2 x 2 sub-mesh: FSDP over TP inside
         sub = DeviceMesh("cpu", [[4 * i, 4 * i + 1], [4 * i + 2, 4 * i + 3]], mesh_dim_names=("dp", "tp"))
         parallelize_module(part, sub["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
         fully_shard(part, mesh=sub["dp"])
         stages.append(PipelineStage(part, i, 2, sub))
-    pipe = Schedule1F1B(stages, 4, loss_fn=mse)
-    opts = [keras.optimizers.Adam(1e-2) for _ in stages]
-    for _ in range(5):
-        with tf.GradientTape() as tape:
-            loss = mse(ref(X), Y)
-        ref_opt.apply(tape.gradient(loss, ref.trainable_variables), ref.trainable_variables)
-        for s in stages:
-            s.zero_grads()
-        pipe.step(X, target=Y)
-        for s, opt in zip(stages, opts):
-            opt.apply(s.grads, s.submod.trainable_variables)
-    got = [v.numpy() for s in stages for v in s.submod.trainable_variables]
-    for a, b in zip(got, [v.numpy() for v in ref.trainable_variables]):
-        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+    train_and_compare(ref, stages, Schedule1F1B(stages, 4, loss_fn=mse), steps=5)
 
 
 def test_plot_and_timeline(tmp_path, float64):

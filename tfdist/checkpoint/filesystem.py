@@ -82,7 +82,25 @@ def _write_atomically(path: pathlib.Path, data: bytes, sync: bool) -> None:
         _fsync(path.parent)
 
 
-class FileSystemWriter(StorageWriter):
+class _Directory:
+    """A checkpoint that is a local directory (``checkpoint_id`` is its path)."""
+
+    path: pathlib.Path
+
+    @property
+    def checkpoint_id(self) -> str:
+        return str(self.path)
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            self.path = pathlib.Path(os.fspath(checkpoint_id))
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike)) and "://" not in os.fspath(checkpoint_id)
+
+
+class FileSystemWriter(_Directory, StorageWriter):
     """Writes a checkpoint directory (see the module docstring for its layout).
 
     Args:
@@ -114,18 +132,6 @@ class FileSystemWriter(StorageWriter):
         self.cache_staged_state_dict = cache_staged_state_dict
         self.overwrite = overwrite
         self.is_coordinator = False
-
-    @property
-    def checkpoint_id(self) -> str:
-        return str(self.path)
-
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        if checkpoint_id is not None:
-            self.path = pathlib.Path(os.fspath(checkpoint_id))
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike)) and "://" not in os.fspath(checkpoint_id)
 
     def storage_meta(self) -> StorageMeta:
         return StorageMeta(checkpoint_id=str(self.path))
@@ -247,7 +253,7 @@ class FileSystemWriter(StorageWriter):
                 entry.unlink(missing_ok=True)
 
 
-class FileSystemReader(StorageReader):
+class FileSystemReader(_Directory, StorageReader):
     """Reads a checkpoint directory written by :class:`FileSystemWriter`.
 
     Example::
@@ -258,18 +264,6 @@ class FileSystemReader(StorageReader):
     def __init__(self, path: str | os.PathLike, _extension_registry: Any = None) -> None:
         self.path = pathlib.Path(os.fspath(path))
         self.per_device_reads = False  # GPU/TPU meshes always read per device; tests force it on CPU
-
-    @property
-    def checkpoint_id(self) -> str:
-        return str(self.path)
-
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        if checkpoint_id is not None:
-            self.path = pathlib.Path(os.fspath(checkpoint_id))
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike)) and "://" not in os.fspath(checkpoint_id)
 
     def read_metadata(self) -> Metadata:
         path = self.path / METADATA

@@ -184,7 +184,7 @@ class PipelineStage:
         self.losses[microbatch], self.targets[microbatch] = loss, target
         return loss
 
-    def _recompute(self, microbatch: int, loss_fn: Callable | None) -> Callable:
+    def _recompute(self, loss_fn: Callable | None) -> Callable:
         def backward(args, target, dy, want_inputs: bool, want_weights: bool):
             variables = self.trainable_variables
             with tf.GradientTape() as tape:
@@ -213,7 +213,7 @@ class PipelineStage:
                 raise RuntimeError(f"stage {self.stage_index}: no output gradient for microbatch {microbatch}")
             dy = self.output_grads[microbatch]
         key = f"backward-{int(inputs)}{int(weights)}-{int(last)}"
-        impl = self._recompute(microbatch, loss_fn if last else None)
+        impl = self._recompute(loss_fn if last else None)
         fn = self._program(key, lambda: lambda a, t, g: impl(a, t, g, inputs, weights))
         d_in, d_w = self._run(fn, self.inputs[microbatch], self.targets.get(microbatch) if last else None, dy)
         if inputs:
