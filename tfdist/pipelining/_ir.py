@@ -1,24 +1,27 @@
 """Automatic splitting: ``pipeline``, ``SplitPoint``, ``pipe_split``, ``Pipe`` (torch.distributed.pipelining).
 
-torch traces a module into an FX graph and cuts it.  Keras has no such
-tracer, but a ``Sequential`` model, and a functional model whose layers form
-a chain, are already their graph: ``pipeline`` cuts the layer list at the
-split points and gives each stage a ``Sequential`` of the *same* layer objects
-(weights shared, and the weights' paths unchanged, so tensor-parallel plans
-and checkpoints keyed by path still apply).  A subclassed model's ``call`` is
-Python: build its stages with ``PipelineStage`` directly.
+torch traces a module into an FX graph and cuts it.  Keras has its own
+graph: a functional model is one, and a subclassed model whose ``call`` uses
+Keras layers and ``keras.ops`` becomes one when ``call`` runs on symbolic
+``keras.Input`` s.  ``pipeline`` orders that graph's calls (Keras's own
+execution order), cuts it at the split points, and gives each stage a module
+that runs its calls on the *same* layer objects (weights shared, their paths
+unchanged, so tensor-parallel plans and checkpoints keyed by path still
+apply).  A tensor made before a cut and used after it (a skip connection)
+becomes an output of every stage in between and an input of the next, as in
+torch's split.  A ``Sequential`` model is cut into ``Sequential`` s.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-import re
 from typing import Any, Callable, Sequence
 
 import keras
 import tensorflow as tf
 
+from tfdist.pipelining import _graph_split
 from tfdist.pipelining.stage import PipelineStage
 
 __all__ = ["SplitPoint", "pipe_split", "pipeline", "Pipe", "PipeInfo", "build_stage"]
@@ -32,7 +35,7 @@ class SplitPoint(enum.Enum):
 
 
 class PipeSplit(keras.layers.Layer):
-    """A stage boundary inside a Sequential or functional model; the identity when the model runs whole."""
+    """A stage boundary in a Sequential model, or on a tensor in a ``call``; the identity when the model runs whole."""
 
     def call(self, inputs):
         return inputs
@@ -48,6 +51,10 @@ def pipe_split(name: str | None = None) -> PipeSplit:
 
         model = keras.Sequential([keras.Input((8,)), dense1, pipe_split(), dense2])
         pipeline(model, (x_microbatch,)).num_stages   # 2
+
+        class Net(keras.Model):                       # in a call: mark the tensor that crosses
+            def call(self, x):
+                return self.dense2(pipe_split()(self.dense1(x)))
     """
     return PipeSplit(name=name)
 
@@ -63,37 +70,58 @@ class PipeInfo:
     has_loss_and_backward: bool = False
 
 
-def _chain(module: Any) -> list[Any]:
-    if isinstance(module, keras.Sequential):
-        return list(module.layers)
-    if isinstance(module, keras.Model) and type(module).__name__ == "Functional":
-        layers = [layer for layer in module.layers if not isinstance(layer, keras.layers.InputLayer)]
-        previous = None
-        for layer in layers:
-            inbound = [t._keras_history[0] for node in layer._inbound_nodes for t in node.input_tensors]
-            sources = [x for x in inbound if not isinstance(x, keras.layers.InputLayer)]
-            if len(layer._inbound_nodes) != 1 or (previous is None and sources) or \
-                    (previous is not None and sources != [previous]):
-                raise ValueError(
-                    f"pipeline: layer {layer.name!r} of the functional model does not take (only) the previous "
-                    "layer's output; pipeline() cuts chains of layers. Build PipelineStage objects by hand."
-                )
-            previous = layer
-        return layers
-    raise TypeError(
-        "pipeline: module must be a keras.Sequential or a functional keras.Model whose layers form a chain; "
-        f"received a {type(module).__name__}. For a subclassed model build PipelineStage objects by hand."
-    )
+def _sequential_cut(module: keras.Sequential, starts: set[int]) -> list[keras.Sequential]:
+    layers = list(module.layers)
+    cuts = sorted(s for s in starts if 0 < s < len(layers))
+    groups = [[layer for layer in layers[lo:hi] if not isinstance(layer, PipeSplit)]
+              for lo, hi in zip([0] + cuts, cuts + [len(layers)])]
+    return [keras.Sequential(group) for group in groups if group]
 
 
-def _index_of(name: str, layers: list[Any]) -> int:
-    names = [layer.name for layer in layers]
-    if name in names:
-        return names.index(name)
-    m = re.fullmatch(r"(?:layers\.)?(\d+)", name)  # torch's FQN form: "layers.1"
-    if m and int(m.group(1)) < len(layers):
-        return int(m.group(1))
-    raise ValueError(f"split_spec: {name!r} names no layer of the model; its layers are {names}.")
+def _graph_cut(graph: keras.Function, nodes: list[Any], starts: set[int]) -> list[Any]:
+    def markers_only(lo: int, hi: int) -> bool:
+        return all(isinstance(n.operation, PipeSplit) for n in nodes[lo:hi])
+
+    cuts = sorted(s for s in starts if 0 < s < len(nodes))
+    # a stage of nothing but markers would compute nothing: drop the cut that makes it
+    cuts = [lo for lo, hi in zip(cuts, cuts[1:] + [len(nodes)]) if not markers_only(lo, hi)]
+    if cuts and markers_only(0, cuts[0]):
+        cuts = cuts[1:]
+    return _graph_split.cut(graph, nodes, cuts)
+
+
+def _layer_named(name: str, module: Any, layers: list[Any]) -> Any:
+    """The layer ``name`` means: a layer name or path, or torch's attribute form (``layers.1``, ``blocks.0``)."""
+    for layer in layers:
+        if name in (layer.name, getattr(layer, "path", None)):
+            return layer
+    target: Any = module
+    for part in name.split("."):
+        if part == "layers" and target is module:
+            target = layers  # torch's ModuleList "layers.N": the model's N-th layer
+        elif part.isdigit() and isinstance(target, (list, tuple)) and int(part) < len(target):
+            target = target[int(part)]
+        else:
+            target = getattr(target, part, None)
+    if any(target is layer for layer in layers):
+        return target
+    raise ValueError(f"split_spec: {name!r} names no layer of the model; its layers are "
+                     f"{[layer.name for layer in layers]}.")
+
+
+def _starts(module: Any, layers: list[Any], first_index: dict[int, int], split_spec: dict | None,
+            split_policy: Callable | None) -> set[int]:
+    """The positions new stages start at, from split_spec and split_policy."""
+    starts: set[int] = set()
+    for name, point in (split_spec or {}).items():
+        if not isinstance(point, SplitPoint):
+            raise ValueError(f"split_spec[{name!r}] must be a SplitPoint. Received: {point!r}")
+        layer = _layer_named(name, module, layers)
+        i = first_index[id(layer)]
+        starts.add(i if point == SplitPoint.BEGINNING else i + 1)
+    if split_policy is not None:
+        starts.update(first_index[id(layers[int(i)])] for i in split_policy(layers))
+    return starts
 
 
 class Pipe:
@@ -134,57 +162,61 @@ class Pipe:
 def pipeline(module: Any, mb_args: tuple, mb_kwargs: dict | None = None,
              split_spec: dict[str, SplitPoint] | None = None,
              split_policy: Callable[[list[Any]], Sequence[int]] | None = None) -> Pipe:
-    """Cuts a Sequential or chain-shaped functional model into stages.
+    """Cuts a Keras model into pipeline stages (torch's ``pipeline``).
+
+    Sequential, functional and subclassed models whose ``call`` uses Keras
+    layers and ``keras.ops`` are cut; skip connections across a cut are passed
+    through the stages in between.
 
     Args:
         module: the model.
-        mb_args: one microbatch of inputs (builds the stages and records each
+        mb_args: one microbatch of inputs (traces the model and records each
             stage's input and output shapes).
-        split_spec: ``{layer name (or "layers.N"): SplitPoint}``.
-        split_policy: a function from the model's layer list to the indices
-            of the layers each new stage starts at (instead of ``split_spec``).
+        split_spec: ``{layer: SplitPoint}``, the layer named by its name, its
+            path, or torch's attribute form (``"layers.3"``, ``"blocks.0"``).
+        split_policy: a function from the model's layers (in the order they
+            run) to the indices of the layers new stages start at.
 
-    ``pipe_split()`` marker layers in the model also cut it.
+    ``pipe_split()`` markers in the model also cut it: a marker layer in a
+    Sequential model, or ``x = pipe_split()(x)`` in a ``call`` (torch's bare
+    ``pipe_split()`` statement needs a tensor to mark in Keras).
 
     Example::
 
-        pipe = pipeline(model, (x[:4],), split_spec={"block2": SplitPoint.BEGINNING,
-                                                     "block3": SplitPoint.END})
+        pipe = pipeline(model, (x[:4],), split_spec={"blocks.2": SplitPoint.BEGINNING})
+        stage = pipe.build_stage(1, device="CPU:2")
     """
     if mb_kwargs:
         raise ValueError("pipeline: keyword inputs are not supported; pass the microbatch in mb_args.")
-    layers = _chain(module)
-    starts: set[int] = set()
-    for name, point in (split_spec or {}).items():
-        if not isinstance(point, SplitPoint):
-            raise ValueError(f"split_spec[{name!r}] must be a SplitPoint. Received: {point!r}")
-        i = _index_of(name, layers)
-        starts.add(i if point == SplitPoint.BEGINNING else i + 1)
-    if split_policy is not None:
-        starts.update(int(i) for i in split_policy(layers))
-    for i, layer in enumerate(layers):
-        if isinstance(layer, PipeSplit):
-            starts.add(i)
-    cuts = sorted(s for s in starts if 0 < s < len(layers))
-    groups, begin = [], 0
-    for cut in cuts + [len(layers)]:
-        group = [layer for layer in layers[begin:cut] if not isinstance(layer, PipeSplit)]
-        if group:
-            groups.append(group)
-        begin = cut
-    if len(groups) < 2:
-        raise ValueError("pipeline: the split points leave a single stage; name at least one layer in split_spec "
-                         "or add a pipe_split() layer.")
-    modules, inputs, outputs = [], [], []
+    if not isinstance(module, keras.layers.Layer):
+        raise TypeError(f"pipeline: module must be a Keras model. Received: a {type(module).__name__}")
     x = tuple(tf.convert_to_tensor(a) for a in mb_args)
-    for group in groups:
-        stage = keras.Sequential(group)
+    if isinstance(module, keras.Sequential):
+        layers = list(module.layers)
+        starts = _starts(module, layers, {id(layer): i for i, layer in enumerate(layers)}, split_spec, split_policy)
+        starts |= {i for i, layer in enumerate(layers) if isinstance(layer, PipeSplit)}
+        modules = _sequential_cut(module, starts)
+    else:
+        graph = _graph_split.trace(module, x)
+        nodes = _graph_split.ordered_nodes(graph)
+        first_index: dict[int, int] = {}
+        for i, node in enumerate(nodes):
+            first_index.setdefault(id(node.operation), i)
+        layers = list({id(n.operation): n.operation for n in nodes
+                       if isinstance(n.operation, keras.layers.Layer)}.values())
+        starts = _starts(module, layers, first_index, split_spec, split_policy)
+        starts |= {i + 1 for i, node in enumerate(nodes) if isinstance(node.operation, PipeSplit)}
+        modules = _graph_cut(graph, nodes, starts)
+    if len(modules) < 2:
+        raise ValueError("pipeline: the split points leave a single stage; name at least one layer in split_spec "
+                         "or add a pipe_split() marker.")
+    inputs, outputs = [], []
+    for stage in modules:
         y = stage(*x)
-        ys = y if isinstance(y, (tuple, list)) else (y,)
+        ys = tuple(y) if isinstance(y, (tuple, list)) else (y,)
         inputs.append(tuple(tf.TensorSpec(a.shape, a.dtype) for a in x))
         outputs.append(tuple(tf.TensorSpec(a.shape, a.dtype) for a in ys))
-        modules.append(stage)
-        x = tuple(ys)
+        x = ys
     return Pipe(modules, PipeInfo(len(modules), inputs, outputs))
 
 

@@ -40,6 +40,10 @@ def _positive_int(name: str, value: Any) -> int:
     return value
 
 
+def _as_tuple(value: Any) -> tuple:
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
+
+
 class _PipelineSchedule:
     def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int, loss_fn: Callable | None,
                  args_chunk_spec: tuple | None, kwargs_chunk_spec: dict | None, output_merge_spec: Any,
@@ -215,7 +219,7 @@ class _PipelineSchedule:
         s, kind, m = a.stage_index, a.computation_type, a.microbatch_index
         stage = self._stages[s]
         if kind == F:
-            inputs = args_split[m] if s == 0 else (self._stages[s - 1].outputs[m],)
+            inputs = args_split[m] if s == 0 else _as_tuple(self._stages[s - 1].outputs[m])
             out = stage.forward_one_chunk(m, tuple(inputs))
             if stage.is_last:
                 stage.output_chunks.append((m, out))
@@ -226,7 +230,9 @@ class _PipelineSchedule:
             stage.scale_grads(self._n_microbatches if self.scale_grads else 1)
             return {(s, "reduced", None)}
         if kind in (B, I) and not stage.is_last:
-            stage.output_grads[m] = stage.place(self._stages[s + 1].input_grads[m][0])
+            # the next stage's input gradients, one per tensor this stage passed it
+            dx = tuple(stage.place(g) for g in self._stages[s + 1].input_grads[m])
+            stage.output_grads[m] = dx if isinstance(stage.outputs[m], (tuple, list)) else dx[0]
         loss_fn = self._loss_fn if stage.is_last else None
         stage.backward_one_chunk(m, loss_fn, inputs=kind in (B, I), weights=kind in (B, W))
         made = set()
