@@ -13,6 +13,10 @@
   checked equal.  Each pipeline rank runs in its own thread; the executed
   bubble is the idle share of the ranks in the recorded trace (8 virtual
   CPUs share 2 cores here, so at most 2 stages truly run at once).
+* Profiler trace: one more step of each schedule under the TF profiler
+  (tfdist.pipelining.read_profile): ranks busy at once on average, and the
+  share of kernel time with two or more kernels running at once; the 1F1B
+  trace is drawn into docs/images/pipeline_1f1b_profile.png.
 
     python benchmarks/pipeline.py        # writes benchmarks/results/pipeline.json
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -36,7 +41,7 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from _common import print_table, write_results  # noqa: E402
-from tfdist.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe  # noqa: E402
+from tfdist.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, plot_schedule, read_profile  # noqa: E402
 from tfdist.pipelining import _orders, _timeline  # noqa: E402
 
 ROUNDS = int(os.environ.get("ROUNDS", "5"))
@@ -82,6 +87,22 @@ def mse(y, t):
     return tf.reduce_mean((y - t) ** 2)
 
 
+def profile_step(pipe, x, y, name: str) -> dict:
+    """One step under the TF profiler: how many ranks were busy at once, and how often kernels overlapped."""
+    logdir = tempfile.mkdtemp(prefix=f"tfdist-pp-{name}-")
+    tf.profiler.experimental.start(logdir)
+    try:
+        pipe.step(x, target=y)
+    finally:
+        tf.profiler.experimental.stop()
+    profile = read_profile(logdir)
+    if name == "1F1B":
+        plot_schedule(pipe, os.path.join(os.path.dirname(__file__), "..", "docs", "images",
+                                         "pipeline_1f1b_profile.png"), profile=profile)
+    return {"profiled ranks busy at once": round(profile.concurrency(), 2),
+            "profiled kernel overlap": round(profile.kernel_overlap(), 2)}
+
+
 def main() -> None:
     bubbles = plan_bubbles()
     rng = np.random.default_rng(0)
@@ -123,14 +144,17 @@ def main() -> None:
             run(n)
             samples[n].append((time.perf_counter() - t0) * 1e3)
     held = {n: [s.peak_held_inputs for s in pipes[n][1]] for n in ("GPipe", "1F1B")}
+    profiled = {n: profile_step(pipes[n][0], x, y, n) for n in ("GPipe", "1F1B")}
     executed = {n: round(executed_bubble(pipes[n][0].executed_order), 3) for n in ("GPipe", "1F1B")}
     steps = [{"program": n, "step_ms": round(statistics.median(samples[n]), 1),
               "vs one device": round(statistics.median(samples[n]) / statistics.median(samples["one device"]), 2),
-              "inputs held per stage": held.get(n, ""), "executed bubble": executed.get(n, "")} for n in names]
+              "inputs held per stage": held.get(n, ""), "executed bubble": executed.get(n, ""),
+              **profiled.get(n, {})} for n in names]
     print("bubble fraction of each plan (unit costs)")
     print_table(bubbles, ["schedule", "p", "m", "bubble", "theory (p-1)/(m+p-1)"])
     print(f"\nstep time, 8 microbatches, {ROUNDS} rounds, median (loss {first['one device']:.5f} in all)")
-    print_table(steps, ["program", "step_ms", "vs one device", "inputs held per stage", "executed bubble"])
+    print_table(steps, ["program", "step_ms", "vs one device", "inputs held per stage", "executed bubble",
+                        "profiled ranks busy at once", "profiled kernel overlap"])
     path = write_results("pipeline", steps, {"bubbles": bubbles, "rounds": ROUNDS})
     print(f"wrote {path}")
 

@@ -6,6 +6,7 @@ import os
 from typing import Any
 
 from tfdist.pipelining import _timeline
+from tfdist.pipelining._profile import PipelineProfile
 
 _COLOURS = {"F": "#4c78a8", "B": "#e45756", "I": "#f58518", "W": "#72b7b2", "O": "#b279a2", "R": "#bab0ac"}
 
@@ -29,8 +30,12 @@ def timeline(schedule: Any, executed: bool = False) -> dict[int, list[tuple[str,
     return _timeline.simulate(schedule._execution_order(), schedule._num_stages)
 
 
-def plot_schedule(schedule: Any, path: str | os.PathLike, executed: bool = False) -> str:
+def plot_schedule(schedule: Any, path: str | os.PathLike, executed: bool = False,
+                  profile: PipelineProfile | None = None) -> str:
     """Draws the schedule's timeline (one row per pipeline rank) into ``path`` (PNG, SVG, PDF...).
+
+    ``executed=True`` draws the last ``step`` as recorded; ``profile`` (from
+    :func:`read_profile`) draws it as the TF profiler saw it.
 
     Example::
 
@@ -43,7 +48,8 @@ def plot_schedule(schedule: Any, path: str | os.PathLike, executed: bool = False
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
-    lines = timeline(schedule, executed)
+    executed = executed or profile is not None
+    lines = profile.actions if profile is not None else timeline(schedule, executed)
     ranks = sorted(lines)
     end = max(e for acts in lines.values() for _, _, e in acts)
     fig, ax = plt.subplots(figsize=(max(6.0, min(24.0, 0.5 * sum(len(a) for a in lines.values()) / len(ranks))),
@@ -60,7 +66,9 @@ def plot_schedule(schedule: Any, path: str | os.PathLike, executed: bool = False
     ax.set_xlabel("seconds" if executed else "time (forward = 1)")
     bubble = None if executed else _timeline.bubble_fraction(lines)
     title = f"{type(schedule).__name__}: {schedule._n_microbatches} microbatches"
-    ax.set_title(title + (f", bubble {bubble:.3f}" if bubble is not None else ", executed"))
+    if profile is not None:
+        title += f", TF profiler trace: {profile.concurrency():.2f} ranks busy at once"
+    ax.set_title(title + (f", bubble {bubble:.3f}" if bubble is not None else "" if profile else ", executed"))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
