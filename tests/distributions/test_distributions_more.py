@@ -135,6 +135,15 @@ def test_wishart_and_lkj():
     np.testing.assert_allclose(dist.mean.numpy(), 4.0 * cov, rtol=1e-8)
     with pytest.raises(ValueError, match="df to be greater than 1"):
         D.Wishart(0.5, covariance_matrix=cov)
+    # torch allows p - 1 < df < p (TFP does not): density against scipy, samples against df * cov and the
+    # variance df (V_ij^2 + V_ii V_jj)
+    low = D.Wishart(tf.constant(1.5, F64), covariance_matrix=tf.constant(cov))
+    np.testing.assert_allclose(float(low.log_prob(x)), st.wishart(1.5, cov).logpdf(x), rtol=1e-8)
+    np.testing.assert_allclose(float(low.entropy()), st.wishart(1.5, cov).entropy(), rtol=1e-8)
+    samples = low.sample((40000,)).numpy()
+    np.testing.assert_allclose(samples.mean(0), 1.5 * cov, rtol=0.05, atol=0.02)
+    np.testing.assert_allclose(samples.var(0), 1.5 * (cov ** 2 + np.outer(np.diag(cov), np.diag(cov))), rtol=0.1)
+    assert np.all(np.linalg.eigvalsh(samples[:100]) > 0)
     lkj = D.LKJCholesky(3, 2.0)
     chol = lkj.sample((50,)).numpy()
     corr = chol @ np.swapaxes(chol, -1, -2)

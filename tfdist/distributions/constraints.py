@@ -263,6 +263,35 @@ class _Stack(Constraint):
         return tf.stack([c.check(p) for c, p in zip(self.cseq, parts)], axis=self.dim)
 
 
+class MixtureSameFamilyConstraint(Constraint):
+    """The support of a MixtureSameFamily: its component's support, checked against every component."""
+
+    def __init__(self, base_constraint: Constraint) -> None:
+        if not isinstance(base_constraint, Constraint):
+            raise TypeError(f"base_constraint must be a Constraint, got {type(base_constraint).__name__}")
+        self.base_constraint = base_constraint
+
+    @property
+    def is_discrete(self) -> bool:
+        return self.base_constraint.is_discrete
+
+    @property
+    def event_dim(self) -> int:
+        return self.base_constraint.event_dim
+
+    def check(self, value):
+        value = tf.convert_to_tensor(value)
+        if value.shape.rank < self.event_dim:
+            raise ValueError(f"Expected value.dim() >= {self.event_dim} but got {value.shape.rank}")
+        # the component dim sits just left of the event dims; a value is valid if every component accepts it
+        result = self.base_constraint.check(tf.expand_dims(value, value.shape.rank - self.event_dim))
+        keep = value.shape.rank - self.event_dim
+        return tf.reduce_all(tf.reshape(result, tf.concat([tf.shape(result)[:keep], [-1]], 0)), -1)
+
+    def __repr__(self) -> str:
+        return f"MixtureSameFamilyConstraint({self.base_constraint!r})"
+
+
 square = _Square()
 symmetric = _Symmetric()
 corr_cholesky = _CorrCholesky()
@@ -270,7 +299,8 @@ one_hot = _OneHot()
 multinomial = _Multinomial
 cat = _Cat
 stack = _Stack
-__all__ += ["square", "symmetric", "corr_cholesky", "one_hot", "multinomial", "cat", "stack"]
+__all__ += ["square", "symmetric", "corr_cholesky", "one_hot", "multinomial", "cat", "stack",
+            "MixtureSameFamilyConstraint"]
 
 
 class _DependentProperty(property, _Dependent):

@@ -34,7 +34,26 @@ class Geometric(_ProbsLogits):
     def _tfp(self):
         return tfd().Geometric(probs=self.probs)
 
-    def entropy(self):
-        """0 where probs = 1 (success at once), as torch; TFP gives NaN there."""
+    # torch's formulas: they also give torch's values at non-integer points and, with validate_args=False,
+    # for probs outside (0, 1]
+    def log_prob(self, value):
+        self._validate_sample(value)
         probs = tf.convert_to_tensor(self.probs)
-        return tf.where(probs >= 1, tf.zeros_like(probs), self._tfp().entropy())
+        value = tf.cast(value, probs.dtype)
+        # 0 * log(0) is 0: a certain success at once has probability 1
+        q = tf.where(tf.logical_and(probs >= 1, tf.equal(value, 0)), tf.zeros_like(value * probs), probs)
+        return value * tf.math.log1p(-q) + tf.math.log(probs)
+
+    @property
+    def mean(self):
+        return 1.0 / tf.convert_to_tensor(self.probs) - 1.0
+
+    @property
+    def variance(self):
+        probs = tf.convert_to_tensor(self.probs)
+        return (1.0 / probs - 1.0) / probs
+
+    def entropy(self):
+        """torch's binary cross-entropy of the clamped logits over probs: 0 where probs = 1."""
+        probs = tf.convert_to_tensor(self.probs)
+        return tf.nn.sigmoid_cross_entropy_with_logits(labels=probs, logits=self.logits) / probs

@@ -13,7 +13,7 @@ class LKJCholesky(_TFPBacked):
     """LKJCholesky(dim, concentration=1.0): Cholesky factors of correlation matrices."""
 
     arg_constraints = {"concentration": constraints.positive}
-    support = constraints.lower_cholesky
+    support = constraints.corr_cholesky
     _params = ("concentration",)
 
     def __init__(self, dim, concentration=1.0, validate_args=None):

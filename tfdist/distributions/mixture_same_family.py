@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from tfdist.distributions import constraints
 from tfdist.distributions._tfp_backed import tfd
 from tfdist.distributions.categorical import Categorical
 from tfdist.distributions.distribution import Distribution
@@ -33,7 +34,7 @@ class MixtureSameFamily(Distribution):
 
     @property
     def support(self):
-        return self.component_distribution.support
+        return constraints.MixtureSameFamilyConstraint(self.component_distribution.support)
 
     def expand(self, batch_shape, _instance=None):
         batch_shape = as_shape(batch_shape)
@@ -47,6 +48,12 @@ class MixtureSameFamily(Distribution):
         x = tf.expand_dims(value, axis=value.shape.rank - event)  # over the component dim
         comp = self.component_distribution.log_prob(x)
         return tf.reduce_logsumexp(comp + tf.nn.log_softmax(self.mixture_distribution.logits, -1), axis=-1)
+
+    def cdf(self, value):
+        """The mixture-weighted sum of the components' cdfs (univariate components, as torch)."""
+        value = tf.convert_to_tensor(value)
+        x = tf.expand_dims(value, axis=value.shape.rank - len(self.event_shape))  # over the component dim
+        return tf.reduce_sum(self.component_distribution.cdf(x) * self.mixture_distribution.probs, axis=-1)
 
     def sample(self, sample_shape=()):
         return tfd().MixtureSameFamily(

@@ -7,6 +7,7 @@ import tensorflow as tf
 from tfdist.distributions import constraints
 from tfdist.distributions._parameterised import _ProbsLogits
 from tfdist.distributions._tfp_backed import tfd
+from tfdist.distributions.utils import as_shape
 
 __all__ = ["RelaxedBernoulli", "LogitRelaxedBernoulli"]
 
@@ -43,6 +44,12 @@ class LogitRelaxedBernoulli(_Relaxed):
 
     arg_constraints = {"probs": constraints.unit_interval, "logits": constraints.real}
     support = constraints.real
+    # torch leaves the flag False on this class although its rsample is reparameterised; the flag
+    # follows torch, rsample works as torch's does
+    has_rsample = False
+
+    def rsample(self, sample_shape=()):
+        return self._tfp().sample(as_shape(sample_shape))
 
     def _tfp(self):
         return tfd().Logistic(loc=self.logits / self.temperature, scale=1.0 / self.temperature)

@@ -85,7 +85,7 @@ class TransformedDistribution(Distribution):
         sign = 1
         for t in self.transforms:
             sign = sign * t.sign
-        x = value
+        x = tf.convert_to_tensor(value)
         for t in reversed(self.transforms):
             x = t.inv(x)
         out = fn(x)

@@ -103,6 +103,26 @@ class Transform:
         return f"{type(self).__name__}()"
 
 
+class _Stateless:
+    """torch: transforms without parameters are equal to every instance of their class."""
+
+    def __eq__(self, other):
+        return isinstance(other, type(self))
+
+    def __hash__(self):
+        return hash(type(self))
+
+
+def _same_values(a, b) -> bool:
+    """torch's parameter equality (``(a == b).all().item()``); symbolic values only equal themselves."""
+    if a is b:
+        return True
+    try:
+        return bool(tf.reduce_all(tf.equal(tf.convert_to_tensor(a), tf.convert_to_tensor(b))).numpy())
+    except (AttributeError, TypeError, ValueError, tf.errors.InvalidArgumentError):
+        return False  # symbolic (inside tf.function) or not broadcastable
+
+
 class _InverseTransform(Transform):
     def __init__(self, transform: Transform) -> None:
         super().__init__(cache_size=transform._cache_size)
@@ -216,7 +236,7 @@ class ComposeTransform(Transform):
 identity_transform = ComposeTransform([])
 
 
-class ExpTransform(Transform):
+class ExpTransform(_Stateless, Transform):
     """y = exp(x)."""
 
     bijective = True
@@ -231,12 +251,6 @@ class ExpTransform(Transform):
 
     def log_abs_det_jacobian(self, x, y):
         return tf.convert_to_tensor(x)
-
-    def __eq__(self, other):
-        return isinstance(other, ExpTransform)
-
-    def __hash__(self):
-        return hash(ExpTransform)
 
 
 class AffineTransform(Transform):
@@ -269,8 +283,15 @@ class AffineTransform(Transform):
                                  tf.shape(x))
         return _sum_rightmost(result, self._event_dim)
 
+    def __eq__(self, other):
+        return (isinstance(other, AffineTransform) and _same_values(self.loc, other.loc)
+                and _same_values(self.scale, other.scale))
 
-class SigmoidTransform(Transform):
+    def __hash__(self):
+        return hash(AffineTransform)
+
+
+class SigmoidTransform(_Stateless, Transform):
     """y = sigmoid(x)."""
 
     bijective = True
@@ -288,7 +309,7 @@ class SigmoidTransform(Transform):
         return -tf.nn.softplus(-x) - tf.nn.softplus(x)
 
 
-class TanhTransform(Transform):
+class TanhTransform(_Stateless, Transform):
     """y = tanh(x)."""
 
     bijective = True
@@ -306,7 +327,7 @@ class TanhTransform(Transform):
         return 2.0 * (math.log(2.0) - x - tf.nn.softplus(-2.0 * x))
 
 
-class SoftplusTransform(Transform):
+class SoftplusTransform(_Stateless, Transform):
     """y = log(1 + exp(x))."""
 
     bijective = True
@@ -347,8 +368,14 @@ class PowerTransform(Transform):
     def log_abs_det_jacobian(self, x, y):
         return tf.math.log(tf.abs(self.exponent * y / x))
 
+    def __eq__(self, other):
+        return isinstance(other, PowerTransform) and _same_values(self.exponent, other.exponent)
 
-class AbsTransform(Transform):
+    def __hash__(self):
+        return hash(PowerTransform)
+
+
+class AbsTransform(_Stateless, Transform):
     """y = |x| (not bijective; ``inv`` gives the positive root)."""
 
     codomain = constraints.positive
@@ -432,7 +459,7 @@ class ReshapeTransform(Transform):
         return tuple(shape[: len(shape) - len(self.out_shape)]) + self.in_shape
 
 
-class SoftmaxTransform(Transform):
+class SoftmaxTransform(_Stateless, Transform):
     """Unconstrained vector -> simplex by softmax (not bijective)."""
 
     domain = constraints.real_vector
@@ -445,13 +472,12 @@ class SoftmaxTransform(Transform):
         return tf.math.log(y)
 
 
-class StickBreakingTransform(Transform):
+class StickBreakingTransform(_Stateless, Transform):
     """R^{K-1} -> the K-simplex by stick breaking (bijective)."""
 
     bijective = True
     domain = constraints.real_vector
     codomain = constraints.simplex
-    sign = 1
 
     def _offset(self, x):
         k = tf.cast(tf.shape(x)[-1], x.dtype)
@@ -481,7 +507,7 @@ class StickBreakingTransform(Transform):
         return tuple(shape[:-1]) + (shape[-1] - 1,)
 
 
-class LowerCholeskyTransform(Transform):
+class LowerCholeskyTransform(_Stateless, Transform):
     """Unconstrained matrix -> lower-triangular with positive diagonal (not bijective)."""
 
     domain = constraints.independent(constraints.real, 2)
@@ -521,7 +547,7 @@ class CumulativeDistributionTransform(Transform):
         return self.distribution.log_prob(x)
 
 
-class CorrCholeskyTransform(Transform):
+class CorrCholeskyTransform(_Stateless, Transform):
     """R^{D(D-1)/2} -> Cholesky factors of D x D correlation matrices (bijective).
 
     Each unconstrained value goes through tanh to a partial correlation in
@@ -587,7 +613,7 @@ class CorrCholeskyTransform(Transform):
         return tuple(shape[:-2]) + (shape[-1] * (shape[-1] - 1) // 2,)
 
 
-class PositiveDefiniteTransform(Transform):
+class PositiveDefiniteTransform(_Stateless, Transform):
     """Unconstrained matrix -> positive definite matrix (L L^T of its lower Cholesky image)."""
 
     domain = constraints.independent(constraints.real, 2)

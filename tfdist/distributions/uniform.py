@@ -29,6 +29,17 @@ class Uniform(_TFPBacked):
     def _tfp(self):
         return tfd().Uniform(self.low, self.high)
 
+    # torch's formulas, so that values outside [low, high) and for low >= high (validate_args=False) are torch's
+    def log_prob(self, value):
+        self._validate_sample(value)
+        value = tf.cast(value, self._dtype)
+        inside = tf.cast(tf.logical_and(self.low <= value, self.high > value), self._dtype)
+        return tf.math.log(inside) - tf.math.log(self.high - self.low)
+
+    def cdf(self, value):
+        self._validate_sample(value)
+        return tf.clip_by_value((tf.cast(value, self._dtype) - self.low) / (self.high - self.low), 0.0, 1.0)
+
     @property
     def mode(self):
         return tf.fill(tf.shape(self.low), tf.constant(float("nan"), self.low.dtype))

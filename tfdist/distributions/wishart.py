@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import tensorflow as tf
 
 from tfdist.distributions import constraints, distribution
-from tfdist.distributions._tfp_backed import _TFPBacked, tfd
+from tfdist.distributions._tfp_backed import _TFPBacked
+from tfdist.distributions.utils import as_shape
 
 __all__ = ["Wishart"]
 
@@ -47,5 +50,78 @@ class Wishart(_TFPBacked):
     def covariance_matrix(self):
         return tf.matmul(self.scale_tril, self.scale_tril, transpose_b=True)
 
-    def _tfp(self):
-        return tfd().WishartTriL(df=self.df, scale_tril=self.scale_tril)
+    # torch's closed forms, written out because TFP's WishartTriL refuses p - 1 < df < p, which
+    # torch (and the distribution) allow.
+    @property
+    def _p(self) -> int:
+        return int(self.scale_tril.shape[-1])
+
+    def _df_matrix(self, df):
+        return tf.reshape(df, tf.concat([tf.shape(df), [1, 1]], 0))
+
+    def _half_log_det_scale(self):
+        """p log(2) / 2 + log|L|: the normaliser shared by log_prob and entropy."""
+        diag = tf.linalg.diag_part(self.scale_tril)
+        return self._p * math.log(2.0) / 2 + tf.reduce_sum(tf.math.log(diag), -1)
+
+    @property
+    def mean(self):
+        return self._df_matrix(self.df) * self.covariance_matrix
+
+    @property
+    def mode(self):
+        factor = self.df - self._p - 1
+        factor = tf.where(factor > 0, factor, tf.constant(math.nan, factor.dtype))  # no mode for df <= p + 1
+        return self._df_matrix(factor) * self.covariance_matrix
+
+    @property
+    def variance(self):
+        v = self.covariance_matrix
+        d = tf.linalg.diag_part(v)
+        return self._df_matrix(self.df) * (v ** 2 + d[..., :, None] * d[..., None, :])
+
+    def log_prob(self, value):
+        self._validate_sample(value)
+        value = tf.cast(value, self.df.dtype)
+        nu, p = self.df, self._p
+        scaled = tf.linalg.cholesky_solve(self.scale_tril, value)  # Sigma^-1 X
+        _, log_det = tf.linalg.slogdet(value)
+        return (-nu * self._half_log_det_scale() - _mvlgamma(nu / 2, p) + (nu - p - 1) / 2 * log_det
+                - tf.linalg.trace(scaled) / 2)
+
+    def entropy(self):
+        nu, p = self.df, self._p
+        return ((p + 1) * self._half_log_det_scale() + _mvlgamma(nu / 2, p)
+                - (nu - p - 1) / 2 * _mvdigamma(nu / 2, p) + nu * p / 2)
+
+    def cdf(self, value):
+        raise NotImplementedError  # as torch
+
+    def icdf(self, value):
+        raise NotImplementedError  # as torch
+
+    def rsample(self, sample_shape=()):
+        """Bartlett decomposition (as torch): L A A^T L^T, A lower triangular with sqrt(chi2(df - i))
+        on the diagonal and standard normals below it; valid for every df > p - 1."""
+        shape = as_shape(sample_shape).concatenate(self.batch_shape)
+        p, dtype = self._p, self.df.dtype
+        dof = tf.broadcast_to(self.df, shape)[..., None] - tf.range(p, dtype=dtype)
+        chi2 = 2.0 * tf.random.gamma([], dof / 2, dtype=dtype)
+        noise = tf.linalg.band_part(tf.random.normal(shape.concatenate([p, p]), dtype=dtype), -1, 0)
+        a = tf.linalg.set_diag(noise, tf.sqrt(chi2))
+        la = tf.matmul(self.scale_tril, a)
+        return tf.matmul(la, la, transpose_b=True)
+
+    def _sample(self, sample_shape):
+        return tf.stop_gradient(self.rsample(sample_shape))
+
+
+def _mvlgamma(a, p: int):
+    """log of the multivariate gamma function Gamma_p(a)."""
+    i = tf.range(p, dtype=a.dtype) / 2
+    return p * (p - 1) / 4 * math.log(math.pi) + tf.reduce_sum(tf.math.lgamma(a[..., None] - i), -1)
+
+
+def _mvdigamma(a, p: int):
+    """d/da log Gamma_p(a)."""
+    return tf.reduce_sum(tf.math.digamma(a[..., None] - tf.range(p, dtype=a.dtype) / 2), -1)
