@@ -197,3 +197,15 @@ def test_expand_sample_and_log_prob_of_every_distribution(make):
 def test_binomial_enumerate_support():
     support = D.Binomial(3.0, probs=[0.2, 0.5]).enumerate_support()
     assert support.numpy()[:, 0].tolist() == [0.0, 1.0, 2.0, 3.0] and tuple(support.shape) == (4, 2)
+
+
+def test_sample_n_is_a_sample_of_shape_n():
+    """torch: sample_n(n) == sample((n,)): same draws under the same seed, sample shape (n,) in front."""
+    dist = D.Normal(np.zeros((2, 3)), np.ones((2, 3)))
+    tf.random.set_seed(7)
+    a = dist.sample_n(5).numpy()
+    tf.random.set_seed(7)
+    b = dist.sample((5,)).numpy()
+    assert a.shape == (5, 2, 3)
+    np.testing.assert_array_equal(a, b)
+    assert D.Categorical(probs=[0.2, 0.8]).sample_n(4).shape == (4,)
