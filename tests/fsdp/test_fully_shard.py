@@ -169,7 +169,7 @@ def test_collectives_are_gathers_and_reduce_scatters(reshard):
     x = tf.constant(RNG.standard_normal((16, 64)), tf.float32)
     grads, counts = traced_sum_sq_grads(model, x)
     assert counts.get("all_gather_into_tensor") == 8 + (3 if reshard else 0)
-    assert counts.get("all_to_all_single") == 8  # the reduce-scatters
+    assert counts.get("reduce_scatter_tensor") == 8
     assert "all_reduce" not in counts
     for a, b in zip(sum_sq_grads(dense_stack(), x), grads):
         np.testing.assert_allclose(gather_to_numpy(b), a.numpy(), rtol=2e-5, atol=2e-6)
@@ -353,7 +353,7 @@ def test_embedding_gradient_is_reduce_scattered():
     fully_shard(model, mesh=dp_mesh())
     ids = tf.constant(IDS[:16])
     got, counts = traced_sum_sq_grads(model, ids)
-    assert "all_reduce" not in counts and counts.get("all_to_all_single") == 3, counts
+    assert "all_reduce" not in counts and counts.get("reduce_scatter_tensor") == 3, counts
     for a, b in zip(sum_sq_grads(make(), ids), got):
         np.testing.assert_allclose(gather_to_numpy(b), tf.convert_to_tensor(a).numpy(), rtol=1e-5, atol=1e-5)
 
@@ -383,6 +383,6 @@ def test_layout_map_fsdp_style_trains_like_one_device(float64, with_tp):
     _, counts = traced_sum_sq_grads(model, tf.constant(X[:16]))
     # gathers before use, reduce-scatters (all-to-all) of the sharded gradients; with tp the
     # row-parallel product's all-reduce over tp is the tensor-parallel one
-    assert counts.get("all_gather_into_tensor", 0) >= 4 and counts.get("all_to_all_single", 0) >= 3, counts
+    assert counts.get("all_gather_into_tensor", 0) >= 4 and counts.get("reduce_scatter_tensor", 0) >= 3, counts
     if not with_tp:
         assert counts.get("all_reduce", 0) <= 1, counts  # the 3-element bias, kept whole

@@ -92,29 +92,30 @@ def test_sp_forward_is_one_all_gather_and_one_reduce_scatter():
     """Megatron-SP: gather the sequence before up, reduce-scatter after down; no all-reduce.
 
     tfdist's reduce-scatter is one all-to-all of the stacked partial sums plus
-    a local sum (the bytes of a ring reduce-scatter), so TF's trace shows an
-    all-to-all kernel.
+    a local sum (the bytes of a ring reduce-scatter); CommDebugMode names it
+    as torch does.
     """
     model, x = sp_block((1, 8))
     forward = tf.function(model)
     forward(x)
     with CommDebugMode() as comm:
         forward(x)
-    assert comm.get_comm_counts() == {"all_gather_into_tensor": 1, "all_to_all_single": 1}
+    assert comm.get_comm_counts() == {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1}
 
 
 def test_sp_forward_and_backward_collectives():
     """torch's Megatron-SP step.  Forward: all-gather + reduce-scatter.  Backward: the
     reduce-scatter's backward (an all-to-all with all-gather bytes), the all-gather's backward
     (a reduce-scatter of the column-parallel input gradient), and one all-reduce of the
-    replicated norm weights' gradients (torch all-reduces those too).  tfdist's
-    reduce-scatters run as all-to-all kernels."""
+    replicated norm weights' gradients (torch all-reduces those too)."""
     model, x = sp_block((1, 8))
     step = tf.function(lambda a: loss_and_grads(model, a))
     step(x)
     with CommDebugMode() as comm:
         step(x)
-    assert comm.get_comm_counts() == {"all_gather_into_tensor": 1, "all_reduce": 1, "all_to_all_single": 3}
+    assert comm.get_comm_counts() == {
+        "all_gather_into_tensor": 1, "all_reduce": 1, "reduce_scatter_tensor": 2, "all_to_all_single": 1,
+    }
 
 
 V, S = 32, 8
@@ -156,7 +157,7 @@ def test_gpt_sp_forward_collectives_per_region():
     with CommDebugMode() as comm:
         forward(ids)
     regions = 2 * 2
-    assert comm.get_comm_counts() == {"all_gather_into_tensor": regions + 2, "all_to_all_single": regions + 1}
+    assert comm.get_comm_counts() == {"all_gather_into_tensor": regions + 2, "reduce_scatter_tensor": regions + 1}
 
 
 def test_tf_repro_still_fails_and_the_workaround_holds():

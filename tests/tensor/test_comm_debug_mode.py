@@ -42,7 +42,7 @@ def test_shard_replicate_transitions(src, dst, want, graph):
 
 @pytest.mark.parametrize(
     "dst, want",
-    [(Replicate(), {"all_reduce": 1}), (Shard(0), {"all_to_all_single": 1})],  # reduce-scatter bytes
+    [(Replicate(), {"all_reduce": 1}), (Shard(0), {"reduce_scatter_tensor": 1})],
     ids=str,
 )
 def test_partial_resolves_with_one_collective(dst, want):
@@ -110,3 +110,80 @@ def test_nested_modes_are_refused():
         with pytest.raises(RuntimeError, match="profiler, which is already running"):
             with CommDebugMode():
                 pass
+
+
+# Bytes a device sends, worked out by hand with ring costs (N = the tensor's bytes, k devices):
+# all-gather (k-1)/k N, all-to-all (k-1)/k^2 N, reduce-scatter (k-1)/k N, all-reduce 2(k-1)/k N.
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
+@pytest.mark.parametrize(
+    "src, dst, name, sent",
+    [
+        ([Shard(0)], [Replicate()], "all_gather_into_tensor", 7 / 8 * 512),
+        ([Shard(0)], [Shard(1)], "all_to_all_single", 7 / 64 * 512),
+    ],
+    ids=["gather", "all_to_all"],
+)
+def test_bytes_are_read_from_the_executed_programs(src, dst, name, sent, graph):
+    d = distribute_tensor(X, MESH_1D, src)  # 16 x 8 float32: 512 bytes
+    move = (lambda t: t.redistribute(MESH_1D, dst))
+    if graph:
+        move = tf.function(move)
+    move(d)
+    with CommDebugMode() as comm:
+        for _ in range(3):
+            move(d)
+    assert comm.get_comm_counts() == {name: 3}
+    assert comm.get_comm_bytes() == {name: pytest.approx(3 * sent)}
+    assert comm.get_unmeasured_counts() == {}
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
+@pytest.mark.parametrize(
+    "dst, name, sent",
+    [(Replicate(), "all_reduce", 2 * 3 / 4 * 128), (Shard(0), "reduce_scatter_tensor", 3 / 4 * 128)],
+    ids=["all_reduce", "reduce_scatter"],
+)
+def test_partial_moves_are_torch_collectives_with_their_bytes(dst, name, sent, graph):
+    parts = [np.full((8, 4), c[1], np.float32) for c in MESH.local_coordinates()]  # 128 bytes
+    p = DTensor.from_local(parts, MESH, [Replicate(), Partial()])
+    move = (lambda t: t.redistribute(MESH, [Replicate(), dst]))
+    if graph:
+        move = tf.function(move)
+        move(p)
+    with CommDebugMode() as comm:
+        out = move(p)
+    np.testing.assert_array_equal(out.numpy(), np.full((8, 4), 6.0))
+    assert comm.get_comm_counts() == {name: 1}
+    assert comm.get_comm_bytes() == {name: pytest.approx(sent)}
+
+
+@pytest.mark.parametrize("dtype, itemsize", [(tf.float64, 8), (tf.bfloat16, 2), (tf.int32, 4)])
+def test_bytes_follow_the_dtype_that_travelled(dtype, itemsize):
+    """bfloat16 travels as float16 bits (same size): the executed kernel's dtype decides."""
+    d = distribute_tensor(tf.cast(X, dtype), MESH_1D, [Shard(0)])
+    gather = tf.function(lambda t: t.full_tensor())
+    gather(d)
+    with CommDebugMode() as comm:
+        gather(d)
+    assert comm.get_comm_bytes() == {"all_gather_into_tensor": pytest.approx(7 / 8 * X.size * itemsize)}
+
+
+def test_the_backward_of_a_reduce_scatter_is_not_one():
+    """torch: Partial -> Shard forward is a reduce-scatter; its backward moves the gradient
+    back to every partial (tfdist: the all-to-all back), which is not counted as one."""
+    parts = [np.full((8, 4), 1.0, np.float32) for _ in MESH.local_coordinates()]
+    p = DTensor.from_local(parts, MESH, [Replicate(), Partial()])
+
+    @tf.function
+    def step(t):
+        with tf.GradientTape() as tape:
+            tape.watch(t)
+            y = t.redistribute(MESH, [Replicate(), Shard(0)])
+            loss = tf.reduce_sum(y * y)
+        return tape.gradient(loss, t)
+
+    step(p)
+    with CommDebugMode() as comm:
+        step(p)
+    assert comm.get_comm_counts().get("reduce_scatter_tensor") == 1, comm.get_comm_counts()
+    assert comm.get_comm_counts().get("all_to_all_single", 0) >= 1, comm.get_comm_counts()

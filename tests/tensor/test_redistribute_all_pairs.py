@@ -8,7 +8,9 @@ collectives it is torch's per-mesh-dim table, independent of tfdist's code:
     Replicate -> Shard: none (local)   same -> same: none
 
 tfdist runs a reduce-scatter as one all-to-all of the stacked Partial axis
-(reduce-scatter bytes), which the trace shows as ``all_to_all_single``.
+(reduce-scatter bytes); CommDebugMode counts it as ``reduce_scatter_tensor``.
+Bytes are read from the programs TF executed (CommDebugMode.get_comm_bytes)
+and compared with an independent model of torch's plan.
 """
 
 from __future__ import annotations
@@ -121,7 +123,7 @@ def torch_bytes(src, dst, shape, mesh_shape, itemsize=4) -> float:
 
 
 _KERNEL = {"all_gather": "all_gather_into_tensor", "all_to_all": "all_to_all_single",
-           "reduce_scatter": "all_to_all_single", "all_reduce": "all_reduce"}
+           "reduce_scatter": "reduce_scatter_tensor", "all_reduce": "all_reduce"}
 
 
 def planned_kernels(steps) -> dict[str, int]:
@@ -182,7 +184,10 @@ def test_executed_collectives_are_the_plan_and_no_more_bytes_than_torch(case, gr
         move(d)
     steps = explain_redistribute(d, mesh, dst)
     assert comm.get_comm_counts() == planned_kernels(steps)
-    ours = sum(s.bytes_per_device for s in steps)
+    executed = sum(comm.get_comm_bytes().values())  # from the shapes of the kernels TF ran
+    assert comm.get_unmeasured_counts() == {}
+    assert executed == pytest.approx(sum(s.bytes_per_device for s in steps), abs=1e-6)
+    ours = executed
     theirs = torch_bytes(src, dst, x.shape, mesh.shape)
     if _id(case) in KNOWN_EXCESS:
         assert ours > theirs, f"{_id(case)} no longer sends more than torch: drop it from KNOWN_EXCESS"

@@ -22,7 +22,7 @@ from typing import Callable
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from tfdist.tensor._redistribute import _move_mesh_dim, relayout
+from tfdist.tensor._redistribute import reduce_scatter_move, relayout
 
 __all__ = [
     "ShardedParam", "gather", "gathered_with_sliced_grad", "sharded_einsum", "sharded_lookup", "sharded_call",
@@ -103,7 +103,7 @@ def _reduce_scatter_stacked(
     """A stacked Partial ``[N(dp), *shape]`` -> the parameter's shard (sum over dp)."""
     mesh = param.shard_layout.mesh
     if param.sharded:
-        moved, _ = _move_mesh_dim(stacked, stacked_specs, 0, param.dim + 1, mesh)  # the all-to-all
+        moved, _ = reduce_scatter_move(stacked, stacked_specs, 0, param.dim + 1, mesh)  # the all-to-all
         total = tf.reduce_sum(moved, axis=0)
     else:
         total = tf.reduce_sum(stacked, axis=0)  # a parameter kept whole: TF all-reduces it

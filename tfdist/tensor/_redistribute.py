@@ -25,21 +25,24 @@ padding and slicing are local.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
 import math
 import os
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from tfdist.tensor import _comm_events
 from tfdist.tensor._layout import DTensorSpec, chunk_size
 from tfdist.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-__all__ = ["TransformStep", "plan_redistribute", "redistribute_physical", "relayout", "check_transition"]
+__all__ = ["TransformStep", "plan_redistribute", "redistribute_physical", "relayout", "check_transition",
+           "reduce_scatter_move"]
 
 logger = logging.getLogger("tfdist.redistribute")
 if "redistribute" in os.environ.get("TFDIST_LOGS", "").replace(" ", "").split(","):
@@ -112,6 +115,40 @@ def _move_mesh_dim(x: tf.Tensor | None, specs: list[str], b: int, c: int, mesh) 
         yt = dtensor.relayout(xt, dtensor.Layout([new[d] for d in perm], mesh))
         x = tf.transpose(yt, inverse)
     return dtensor.relayout(x, dtensor.Layout(new, mesh)), new
+
+
+@contextlib.contextmanager
+def _as_reduce_scatter(x: tf.Tensor | None, output_bytes: float | None, k: int) -> Iterator[None]:
+    """Marks the all-to-all run inside as torch's ``reduce_scatter_tensor`` for CommDebugMode.
+
+    Eagerly the execution is reported; in a graph its relayout gets a
+    registered name scope (``_comm_events``).  ``output_bytes`` is the
+    all-to-all's output per device (None if the shape is dynamic), ``k``
+    its group size.
+    """
+    marker = ("reduce_scatter_tensor", "CollectiveAllToAllV2", output_bytes, k)
+    if x is None:  # a dry run on shapes
+        yield
+    elif tf.executing_eagerly():
+        yield
+        if _comm_events.listening():
+            _comm_events.report(*marker)
+    else:
+        with tf.name_scope(_comm_events.graph_scope(*marker)):
+            yield
+
+
+def reduce_scatter_move(x: tf.Tensor, specs: list[str], b: int, c: int, mesh: dtensor.Mesh) -> tuple[tf.Tensor, list[str]]:
+    """The all-to-all of a reduce-scatter: a stacked Partial axis ``b`` (sharded on its mesh
+    dim) moves onto dim ``c``; the caller reduces axis ``b`` locally afterwards.
+
+    ``_move_mesh_dim``, marked for CommDebugMode as ``reduce_scatter_tensor``.
+    """
+    k = mesh.dim_size(specs[b])
+    shards = math.prod(mesh.dim_size(s) for s in specs if s != dtensor.UNSHARDED)
+    size = None if None in x.shape.as_list() else math.prod(x.shape.as_list()) / shards * x.dtype.size
+    with _as_reduce_scatter(x, size, k):
+        return _move_mesh_dim(x, specs, b, c, mesh)
 
 
 class _Program:
@@ -227,7 +264,8 @@ class _Program:
         axis = self.partial.index(m)
         self.resize(d, chunk_size(self.shape[d], self.root.shape[m]) * self.root.shape[m])  # dim d is replicated: local
         op = self.placements[m].reduce_op
-        self.all_to_all(m, axis, self.lead + d, Shard(d), "reduce_scatter")
+        with _as_reduce_scatter(self.x, self._local_bytes(), self.root.shape[m]):
+            self.all_to_all(m, axis, self.lead + d, Shard(d), "reduce_scatter")
         if self.x is not None:
             self.x = _REDUCERS[op](self.x, axis=axis)
         del self.partial[axis], self.sizes[axis], self.specs[axis]
@@ -537,7 +575,10 @@ def _expand(x: tf.Tensor | None, inner: DTensorSpec, dst: DTensorSpec, itemsize:
         shards = math.prod(root.shape[root.axis_names.index(t)] for t in specs if t != dtensor.UNSHARDED)
         k = root.shape[m]
         sent = (k - 1) / k * math.prod(sizes) / shards * itemsize
-        x, specs = _move_mesh_dim(x, specs, b, c, mesh)
+        if p.is_partial() and x is not None:
+            x, specs = reduce_scatter_move(x, specs, b, c, mesh)
+        else:
+            x, specs = _move_mesh_dim(x, specs, b, c, mesh)
         if p.is_partial():
             if x is not None:
                 x = dtensor.relayout(_REDUCERS[p.reduce_op](x, axis=b), dtensor.Layout(specs[:b] + specs[b + 1:], mesh))

@@ -37,7 +37,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfdist.tensor._layout import physical_layout
-from tfdist.tensor._redistribute import _move_mesh_dim, relayout
+from tfdist.tensor._redistribute import reduce_scatter_move, relayout
 from tfdist.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 __all__ = ["gathered_product", "partial_einsum", "partial_lookup", "resolve_partial"]
@@ -147,7 +147,7 @@ def resolve_partial(ctx, stacked: tf.Tensor, placements: Sequence[Placement]) ->
             "by the tensor-parallel degree."
         )
     specs = list(_stacked_layout(ctx, rank).sharding_specs)
-    moved, _ = _move_mesh_dim(stacked, specs, 0, d + 1, ctx.root.to_tf())
+    moved, _ = reduce_scatter_move(stacked, specs, 0, d + 1, ctx.root.to_tf())
     return dtensor.relayout(tf.reduce_sum(moved, axis=0), target)
 
 
