@@ -4,9 +4,10 @@ For 1-D meshes of 4 and 8 devices and a 2x4 mesh, even and uneven shapes,
 every transition of torch's table (and the 2-D ones FSDP and TP use):
 
 - the collectives each program ran (CommDebugMode, from the TF profiler),
-- the bytes each device sends: tfdist's plan (``explain_redistribute``,
-  whose steps the trace confirms ran) and the raw program's kernels, both
-  with ring costs, against torch's minimal plan (written out per case);
+- the bytes each device sends, read by CommDebugMode from the programs TF
+  executed (each collective's output shape, dtype and group size, ring
+  costs), for tfdist and for the raw program, against torch's minimal plan
+  (written out per case) and against tfdist's own plan (``explain_redistribute``);
 - the median time of ``DTensor.redistribute`` in a tf.function against the
   same move written directly with ``tf.experimental.dtensor`` as a TF user
   writes it (one relayout, TF's default lowering), timed in interleaved rounds.
@@ -106,25 +107,31 @@ def interleaved(fns: dict[str, callable], rounds: int, per_round: int = 5) -> di
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
-def counted(fn) -> dict[str, int]:
+def counted(fn) -> tuple[dict[str, int], float]:
+    """(collectives per device, bytes each device sent) as TF executed them."""
     with CommDebugMode() as comm:
         _sync(fn())
-    return comm.get_comm_counts()
+    assert not comm.get_unmeasured_counts(), comm.get_unmeasured_counts()
+    return comm.get_comm_counts(), sum(comm.get_comm_bytes().values())
 
 
-def run_case(mesh, name, src, dst, specs, minimal_fraction, shape, rounds):
+def run_case(mesh, name, src, dst, specs, minimal_fraction, shape, rounds, dtype="float32"):
     x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    if dtype != "float32":  # 1-byte types: small integers (bool: their sign)
+        x = (x > 0) if dtype == "bool" else np.clip(np.round(x * 40), -128, 127).astype(dtype)
     d = make_source(x, mesh, src)
     ours = tf.function(lambda t: t.redistribute(mesh, dst))
-    np.testing.assert_allclose(ours(d).full_tensor().numpy(), x, atol=1e-4)
-    steps = explain_redistribute(d, mesh, dst)
-    planned = sum(s.bytes_per_device for s in steps)
+    np.testing.assert_array_equal(ours(d).full_tensor().numpy(), x) if dtype != "float32" else \
+        np.testing.assert_allclose(ours(d).full_tensor().numpy(), x, atol=1e-4)
+    planned = sum(s.bytes_per_device for s in explain_redistribute(d, mesh, dst))
     least = minimal_fraction * x.nbytes
+    kernels, executed = counted(lambda: ours(d))
     row = {
         "mesh": "x".join(map(str, mesh.shape)), "transition": name, "shape": "x".join(map(str, shape)),
-        "tfdist_kernels": _fmt(counted(lambda: ours(d))),
-        "tfdist_MB": round(planned / 2**20, 3), "torch_min_MB": round(least / 2**20, 3),
-        "bytes_vs_torch": "-" if least == planned == 0 else (round(planned / least, 3) if least else "inf"),
+        "dtype": dtype, "tfdist_kernels": _fmt(kernels),
+        "tfdist_MB": round(executed / 2**20, 3), "planned_MB": round(planned / 2**20, 3),
+        "torch_min_MB": round(least / 2**20, 3),
+        "bytes_vs_torch": "-" if least == executed == 0 else (round(executed / least, 3) if least else "inf"),
     }
     fns = {"tfdist": lambda: ours(d)}
     if all(n % 8 == 0 for n in shape):  # TF DTensor refuses uneven shards: no raw program
@@ -137,8 +144,10 @@ def run_case(mesh, name, src, dst, specs, minimal_fraction, shape, rounds):
                 os.environ[_GATHER_SWITCH] = saved
         # gathered one mesh dim at a time: TF mis-lowers a two-dim gather (docs/tf_dtensor_repros)
         full = relayout(raw, dtensor.Layout.replicated(dtensor.fetch_layout(raw).mesh, 2))
-        np.testing.assert_allclose(dtensor.unpack(full)[0].numpy(), x, atol=1e-4, err_msg=f"raw TF {name}")
-        row["raw_kernels"] = _fmt(counted(lambda: theirs(d._physical)))
+        np.testing.assert_allclose(dtensor.unpack(full)[0].numpy().astype(np.float32), x.astype(np.float32),
+                                   atol=1e-4, err_msg=f"raw TF {name}")
+        raw_kernels, raw_bytes = counted(lambda: theirs(d._physical))
+        row["raw_kernels"], row["raw_MB"] = _fmt(raw_kernels), round(raw_bytes / 2**20, 3)
         fns["raw"] = lambda: theirs(d._physical)
     times = interleaved(fns, rounds)
     row["tfdist_ms"] = round(times["tfdist"], 3)
@@ -163,13 +172,16 @@ def main() -> None:
         for shape in ((n, n), (n - 3, n)):
             for name, src, dst, specs, minimal in ONE_D:
                 rows.append(run_case(mesh, name, src, dst, specs, minimal(devices), shape, args.rounds))
+        for dtype in ("int8", "uint8", "bool"):  # TF gathers no 1-byte type; tfdist packs pairs
+            rows.append(run_case(mesh, "S(0)->R", (S0,), (R,), [U, U], (devices - 1) / devices, (n, n),
+                                 args.rounds, dtype))
     mesh2 = tfdist.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
     for shape in ((n, n), (n - 3, n)):
         for name, src, dst, specs, minimal in TWO_D:
             rows.append(run_case(mesh2, name, src, dst, specs, minimal, shape, args.rounds))
     path = write_results("redistribute", rows, {"devices": "8 virtual CPUs", "n": n, "rounds": args.rounds})
-    print_table(rows, ["mesh", "transition", "shape", "tfdist_kernels", "raw_kernels", "tfdist_MB",
-                       "torch_min_MB", "bytes_vs_torch", "tfdist_ms", "raw_ms", "time_ratio"])
+    print_table(rows, ["mesh", "transition", "shape", "dtype", "tfdist_kernels", "raw_kernels", "tfdist_MB", "planned_MB",
+                       "raw_MB", "torch_min_MB", "bytes_vs_torch", "tfdist_ms", "raw_ms", "time_ratio"])
     print(f"\nwrote {path}")
 
 

@@ -229,10 +229,10 @@ def test_gathering_two_mesh_dims_is_two_all_gathers():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16", "int32", "int64", "int16", "uint16",
-                                   "uint32", "int8", "bool"])
+                                   "uint32", "int8", "uint8", "bool"])
 def test_all_gather_of_every_dtype(dtype):
-    """Bits are gathered exactly; types TF gathers natively or carries bitwise use CollectiveGatherV2."""
-    x = (np.arange(8 * 3).reshape(8, 3) % 7 > 2) if dtype == "bool" else np.arange(8 * 3).reshape(8, 3) % 100
+    """Bits are gathered exactly, by CollectiveGatherV2, with torch's bytes: (k-1)/k of the tensor."""
+    x = (np.arange(8 * 4).reshape(8, 4) % 7 > 2) if dtype == "bool" else np.arange(8 * 4).reshape(8, 4) % 100
     x = tf.cast(tf.constant(x), dtype)
     d = distribute_tensor(x, MESH_1D, [Shard(0)])
     fn = tf.function(lambda t: t.full_tensor())
@@ -240,5 +240,42 @@ def test_all_gather_of_every_dtype(dtype):
     with CommDebugMode() as comm:
         out = fn(d)
     np.testing.assert_array_equal(out.numpy(), x.numpy())
-    fallback = dtype in ("int8", "bool")  # 1-byte types: TF's padded all-reduce
-    assert comm.get_comm_counts() == ({"all_reduce": 1} if fallback else {"all_gather_into_tensor": 1})
+    assert comm.get_comm_counts() == {"all_gather_into_tensor": 1}
+    size = 1 if dtype == "bool" else tf.as_dtype(dtype).size
+    assert comm.get_comm_bytes() == {"all_gather_into_tensor": pytest.approx(3 / 4 * x.shape.num_elements() * size)}
+
+
+BYTE_VALUES = {"int8": (-128, 128), "uint8": (0, 256), "bool": (0, 2)}
+
+
+@pytest.mark.parametrize("dtype", sorted(BYTE_VALUES))
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
+@pytest.mark.parametrize(
+    "shape, mesh, placements, torch_bytes, slack",
+    [
+        ((16, 4), MESH_1D, (Shard(0),), 3 / 4 * 64, 1.0),
+        ((16,), MESH_1D, (Shard(0),), 3 / 4 * 16, 1.0),         # no whole dim: split into pairs first
+        ((16, 4), MESH_2D, (Shard(0), Shard(1)), 7 / 8 * 64, 1.0),  # tp then dp, as torch
+        ((8, 6, 4), MESH_2D, (Shard(2), Shard(0)), 7 / 8 * 192, 1.0),
+        ((8, 3), MESH_1D, (Shard(0),), 3 / 4 * 24, 4 / 3),      # odd whole dim: a pad column travels
+        # uneven: torch pads to 8 x 8 too (tp: 3 x 8, dp: 1 x 32); no whole dim, split pairs
+        ((7, 5), MESH_2D, (Shard(0), Shard(1)), 24 + 32, 1.0),
+    ],
+    ids=str,
+)
+def test_one_byte_types_gather_exactly_in_16_bit_pairs(dtype, graph, shape, mesh, placements, torch_bytes, slack):
+    """TF has no 1-byte CollectiveGatherV2 (its fallback all-reduces a widened buffer): tfdist
+    packs byte pairs into 16 bits.  Values against numpy; bytes against torch's ring plan."""
+    low, high = BYTE_VALUES[dtype]
+    x = np.random.default_rng(3).integers(low, high, shape).astype(dtype)
+    d = distribute_tensor(tf.constant(x), mesh, list(placements))
+    fn = (lambda t: t.full_tensor())
+    if graph:
+        fn = tf.function(fn)
+    fn(d)
+    with CommDebugMode() as comm:
+        out = fn(d)
+    np.testing.assert_array_equal(out.numpy(), x)
+    counts = comm.get_comm_counts()
+    assert set(counts) == {"all_gather_into_tensor"}, counts
+    assert comm.get_comm_bytes()["all_gather_into_tensor"] == pytest.approx(slack * torch_bytes)
