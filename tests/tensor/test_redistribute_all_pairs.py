@@ -279,3 +279,17 @@ def test_one_byte_types_gather_exactly_in_16_bit_pairs(dtype, graph, shape, mesh
     counts = comm.get_comm_counts()
     assert set(counts) == {"all_gather_into_tensor"}, counts
     assert comm.get_comm_bytes()["all_gather_into_tensor"] == pytest.approx(slack * torch_bytes)
+
+
+@pytest.mark.slow
+def test_why_one_byte_types_travel_in_pairs_reproduces():
+    """TF's own 1-byte gather all-reduces a widened buffer, and a size-changing bitcast fails
+    under TF DTensor (docs/tf_dtensor_repros/one_byte_gather.py, run as a script)."""
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).parents[2] / "docs" / "tf_dtensor_repros" / "one_byte_gather.py"
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stdout + out.stderr[-2000:]
+    assert "CollectiveReduceV2" in out.stdout and "size-changing bitcast fails" in out.stdout
