@@ -87,6 +87,25 @@ def test_matmul_uneven_and_transposed_and_batched():
     assert_dtensor_equal(x_np @ w_np, (Shard(0), Partial()), x @ w, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("xs, ws, px, pw, out", [
+    ((2, 8, 16), (16, 4), (Replicate(), Shard(2)), (Replicate(), Shard(0)), (Replicate(), Partial())),
+    ((2, 8, 16), (16, 4), (Shard(0), Shard(2)), (Replicate(), Shard(0)), (Shard(0), Partial())),
+    ((8, 16), (3, 16, 4), (Replicate(), Shard(1)), (Shard(0), Shard(1)), (Shard(0), Partial())),
+    ((2, 3, 8, 16), (3, 16, 4), (Shard(1), Shard(3)), (Replicate(), Shard(1)), (Shard(1), Partial())),
+], ids=["dense-on-3d", "dp-and-row-parallel", "batch-on-b", "4d-by-3d"])
+def test_broadcast_batched_matmul_over_a_sharded_contraction_is_partial(xs, ws, px, pw, out):
+    """torch: [b, s, k] @ [k, n] with k sharded is Partial, no communication (a row-parallel
+    Dense on a 3-D input); the batch dims of the shorter operand broadcast."""
+    x_np, w_np = rand(*xs), rand(*ws)
+    x = distribute_tensor(x_np, MESH, px)
+    w = distribute_tensor(w_np, MESH, pw)
+    with CommDebugMode() as comm:
+        y = x @ w
+    assert comm.get_comm_counts() == {}
+    for c in [y] + list(both_modes(lambda: x @ w)):
+        assert_dtensor_equal(x_np @ w_np, out, c, rtol=1e-4, atol=1e-5)
+
+
 def test_elementwise_broadcast_and_scalars():
     x_np, bias_np = rand(7, 8), rand(8)
     x = distribute_tensor(x_np, MESH, [Shard(0), Shard(1)])

@@ -211,9 +211,10 @@ def _contraction_mesh_dim(a: DTensor, b: DTensor, strategy, ta: bool, output_typ
     """The mesh dim that shards the contracted dim, when the product can stay Partial."""
     (target_a, _), _ = strategy
     k_dim = a.ndim - 2 if ta else a.ndim - 1
-    same_batch = a.ndim == b.ndim and tuple(a.shape[:-2]) == tuple(b.shape[:-2])
-    if output_type is not None or not same_batch:
-        return None  # broadcast batch dims: TF's matmul with its in-op all-reduce
+    short, long = sorted((tuple(a.shape[:-2]), tuple(b.shape[:-2])), key=len)
+    aligned = long[len(long) - len(short):] == short  # one side's batch dims end the other's
+    if output_type is not None or not aligned:
+        return None  # size-1 batch dims broadcast: TF's matmul with its in-op all-reduce
     return next((m for m, p in enumerate(target_a) if p.is_shard(k_dim)), None)
 
 
@@ -235,15 +236,16 @@ def _matmul_to_partial(a, b, strategy, out_shape, m, transpose_a, transpose_b, a
     if transpose_b or adjoint_b:
         pb = tf.linalg.adjoint(pb) if adjoint_b else tf.linalg.matrix_transpose(pb)
     k = root.shape[m]
-    rank = pa.shape.rank
+    rank_a, rank_b = pa.shape.rank, pb.shape.rank
     shape_a, shape_b = pa.shape.as_list(), pb.shape.as_list()
-    la = _contracted_layout(targets[0], root, rank, rank - 1, transpose_a or adjoint_a)
-    lb = _contracted_layout(targets[1], root, rank, rank - 2, transpose_b or adjoint_b)
+    la = _contracted_layout(targets[0], root, rank_a, rank_a - 1, transpose_a or adjoint_a)
+    lb = _contracted_layout(targets[1], root, rank_b, rank_b - 2, transpose_b or adjoint_b)
     pa = dtensor.relayout(tf.reshape(pa, shape_a[:-1] + [k, shape_a[-1] // k]), dtensor.Layout(la, tf_mesh))
     pb = dtensor.relayout(tf.reshape(pb, shape_b[:-2] + [k, shape_b[-2] // k, shape_b[-1]]),
                           dtensor.Layout(lb, tf_mesh))
-    batch = "abcdefgh"[: rank - 2]
-    y = tf.einsum(f"{batch}ikc,{batch}kcj->k{batch}ij", pa, pb)
+    batch = "abcdefgh"[: max(rank_a, rank_b) - 2]  # the shorter operand's batch dims are the last ones
+    batch_a, batch_b = batch[len(batch) - (rank_a - 2):], batch[len(batch) - (rank_b - 2):]
+    y = tf.einsum(f"{batch_a}ikc,{batch_b}kcj->k{batch}ij", pa, pb)
     out_root = list(out_root)
     out_root[m] = Partial("sum")
     return _wrap_output(y, mesh, tuple(out_root), out_shape)
