@@ -124,3 +124,26 @@ def test_class_weights_in_fit_equal_one_device():
         got = train(model)
     np.testing.assert_allclose(got, want, rtol=1e-9)
     assert max_weight_diff(ref, model) < 1e-9
+
+
+def test_out_of_range_label_in_fit_is_not_silent():
+    """A label of 99 with 32 classes: plain TF raises on CPU and gives NaN on GPU; in a
+    traced DTensor step tfdist gives NaN (an error there would poison the process), so
+    fit's loss is NaN instead of a finite, wrong value -- and the process stays usable."""
+    from keras_helpers import DenseAdam
+    from tfdist.models import GPT, parallelize_gpt
+
+    ids, nxt = RNG.integers(0, 32, (16, 8)), RNG.integers(0, 32, (16, 8))
+    bad = nxt.copy()
+    bad[3, 5] = 99
+    keras.utils.set_random_seed(0)
+    model = GPT(32, 8, dim=16, heads=4, depth=1)
+    model(ids[:1])
+    mesh = tfdist.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+    model = parallelize_gpt(model, mesh, loss_parallel=True)
+    model.compile(optimizer=DenseAdam(1e-2), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with loss_parallel():
+        losses = model.fit(ids, bad, batch_size=8, shuffle=False, verbose=0).history["loss"]
+        assert np.isnan(losses).all()
+        after = model.evaluate(ids, nxt, batch_size=8, verbose=0)  # the process still runs steps
+    assert np.isnan(after)  # the weights took the NaN gradient, as TF's GPU kernel would

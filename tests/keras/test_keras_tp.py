@@ -182,6 +182,12 @@ def test_embedding_colwise_and_rowwise_equal_replicated():
     bad[1, 2] = V  # no device owns this row: an error, as TF's gather on CPU, not silent zeros
     with pytest.raises(tf.errors.InvalidArgumentError, match=f"id {V} is not in"):
         model.row(bad)
+    # traced (as in fit), an error would poison TF's collective executor: that row is NaN instead
+    rows = gather_to_numpy(tf.function(lambda a: model.row(a))(shard_batch(tf.constant(bad), m, 0)))
+    assert np.isnan(rows[1, 2]).all()
+    mask = np.ones(bad.shape, bool)
+    mask[1, 2] = False
+    np.testing.assert_allclose(rows[mask], ref.row(IDS[:8]).numpy()[mask], atol=1e-6)
 
 
 def test_prepare_module_input_and_output():

@@ -113,6 +113,29 @@ def test_loss_parallel_edges_match_tf():
             tf.nn.sparse_softmax_cross_entropy_with_logits(labels=tf.constant([2.0, 0.0]), logits=logits)
 
 
+def test_loss_parallel_out_of_range_labels_in_a_graph_are_nan_rows():
+    """Inside tf.function an error would poison TF's collective executor: TF's GPU kernel's
+    answer instead -- NaN loss and gradient for the bad rows, the others exact."""
+    from tfdist.tensor.parallel import loss_parallel
+
+    logits = tf.constant([[0.5, 1.0, 2.0], [1.0, 0.0, 3.0], [0.1, 0.2, 0.3]])
+    labels = tf.constant([2, 3, -1])
+    good = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=[2], logits=logits[:1]).numpy()
+
+    @tf.function
+    def loss_and_grad(logits, labels):
+        with tf.GradientTape() as tape:
+            tape.watch(logits)
+            with loss_parallel():
+                loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+        return loss, tape.gradient(loss, logits)
+
+    loss, grad = loss_and_grad(logits, labels)
+    np.testing.assert_allclose(loss.numpy()[0], good[0], rtol=1e-6)
+    assert np.isnan(loss.numpy()[1:]).all() and np.isnan(grad.numpy()[1:]).all()
+    assert np.isfinite(grad.numpy()[0]).all()
+
+
 def test_style_and_layout_map_arguments_are_checked():
     import keras
 

@@ -26,6 +26,7 @@ _VALIDATE_DEFAULT = True  # torch validates by default (when not under -O)
 
 _METHODS = ("log_prob", "cdf", "icdf", "entropy", "sample", "rsample", "sample_n", "perplexity", "enumerate_support")
 _PROPERTIES = ("mean", "mode", "variance", "stddev")
+_SAMPLERS = ("sample", "rsample", "sample_n")
 _depth = threading.local()
 
 
@@ -50,6 +51,15 @@ def _public(fn):
             return v
 
         depth = getattr(_depth, "n", 0)
+        if depth == 0 and fn.__name__ in _SAMPLERS and not tf.executing_eagerly() \
+                and (getattr(self, "_tfdist_results", False) or _in_dtensor_program()):
+            raise NotImplementedError(
+                f"{type(self).__name__}.{fn.__name__}() inside a tf.function that runs on a DTensor mesh is "
+                "not supported: TF DTensor has no layout rule for random ops (its own error reads 'does not "
+                "implement layout propagation'), and a traced function has no fresh seed to give tfdist's "
+                "sharded sampler. Sample eagerly (the samples stay sharded like the parameters) and pass "
+                "them into the function, or draw with tfdist.tensor.rand/randn outside it."
+            )
         _depth.n = depth + 1
         try:
             result = fn(self, *[arg(a) for a in args], **{k: arg(v) for k, v in kwargs.items()})

@@ -128,6 +128,12 @@ def partial_lookup(ctx, ids: tf.Tensor, table: tf.Tensor) -> tf.Tensor:
 
     rows_out = lookup(local_table)
     y = rows_out * tf.cast(tf.expand_dims(mine, -1), rows_out.dtype)
+    if not tf.executing_eagerly() and y.dtype.is_floating:
+        # an id no device owns: NaN rows, not a silent zero vector.  Raising inside a traced
+        # DTensor step would poison TF's collective executor for the rest of the process.
+        owned = tf.logical_and(ids >= 0, ids < vocab)
+        nan = tf.constant(float("nan"), y.dtype)
+        y = y * tf.expand_dims(tf.expand_dims(tf.where(owned, tf.ones_like(ids, y.dtype), nan), 0), -1)
     return dtensor.relayout(y, _stacked_layout(ctx, rank + 1))
 
 

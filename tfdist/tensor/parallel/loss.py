@@ -45,11 +45,27 @@ def sharded_cross_entropy(labels: tf.Tensor, logits: tf.Tensor, axis: int = -1) 
     # where, not one_hot * logits: a -inf logit of another class (vocabulary masking) must not
     # turn into 0 * -inf = NaN
     picked = tf.reduce_sum(tf.where(one_hot, logits, tf.zeros_like(logits)), axis=axis)
-    return lse - picked
+    loss = lse - picked
+    if not tf.executing_eagerly():
+        loss = loss * _nan_where_out_of_range(labels, classes, loss.dtype)
+    return loss
+
+
+def _nan_where_out_of_range(labels: tf.Tensor, classes: int, dtype: tf.DType) -> tf.Tensor:
+    """1 per valid label, NaN per out-of-range one: TF's GPU kernel's answer in a graph.
+
+    A one-hot of an out-of-range label is all zeros, which would give a finite,
+    wrong loss.  Raising inside a traced DTensor step is no option: an op
+    error there cancels TF's collective executor and poisons every later
+    step in the process.  So, as TF's own kernel does on GPU, those rows'
+    loss and gradients become NaN (a product, so the gradient is NaN too).
+    """
+    valid = tf.logical_and(labels >= 0, labels < classes)
+    return tf.where(valid, tf.ones_like(labels, dtype), tf.fill(tf.shape(labels), tf.constant(float("nan"), dtype)))
 
 
 def _check_labels(labels: tf.Tensor, classes: int) -> None:
-    """Out-of-range labels raise as in TF's kernel (eagerly; a one-hot would silently give 0)."""
+    """Out-of-range labels raise as in TF's kernel (eagerly; in a graph they give NaN rows)."""
     if not tf.executing_eagerly():
         return
     low, high = int(tf.reduce_min(labels)), int(tf.reduce_max(labels))
