@@ -120,7 +120,10 @@ class DeviceMesh:
     ) -> None:
         tf_type = _runtime.normalize_device_type(device_type)
         _runtime.initialize_accelerators(tf_type)  # multi-client needs it to count devices
-        ids = np.asarray(mesh)
+        try:
+            ids = np.asarray(mesh)
+        except ValueError:  # ragged rows: numpy's own words would not name the argument
+            ids = np.asarray(0)
         if ids.ndim == 0 or ids.dtype.kind not in "iu":
             raise ValueError(
                 "mesh must be an n-D array of integer device ids. "

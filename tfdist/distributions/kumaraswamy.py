@@ -19,10 +19,12 @@ class Kumaraswamy(_Kumaraswamy):
 
     # beyond [0, 1] (validate_args=False) TFP's formulas give NaN; the density is 0 there, as torch answers
     def log_prob(self, value):
+        self._validate_sample(value)  # the value itself: the one passed on below is made safe
         x = tf.cast(value, self._dtype)
         inside = tf.logical_and(x >= 0, x <= 1)
         lp = super().log_prob(tf.where(inside, x, tf.constant(0.5, x.dtype)))
         return tf.where(inside, lp, tf.constant(-float("inf"), lp.dtype))
 
     def cdf(self, value):
+        self._validate_sample(value)
         return super().cdf(tf.clip_by_value(tf.cast(value, self._dtype), 0.0, 1.0))

@@ -20,6 +20,7 @@ class Weibull(_Weibull):
     # below 0 (validate_args=False) TFP gives NaN and torch a finite number from its transforms; the
     # density is 0 there
     def log_prob(self, value):
+        self._validate_sample(value)  # the value itself: the one passed on below is made safe
         x = tf.cast(value, self._dtype)
         lp = super().log_prob(tf.where(x >= 0, x, tf.ones_like(x)))
         return tf.where(x >= 0, lp, tf.constant(-float("inf"), lp.dtype))
