@@ -47,21 +47,16 @@ def sharded_cross_entropy(labels: tf.Tensor, logits: tf.Tensor, axis: int = -1) 
     picked = tf.reduce_sum(tf.where(one_hot, logits, tf.zeros_like(logits)), axis=axis)
     loss = lse - picked
     if not tf.executing_eagerly():
-        loss = loss * _nan_where_out_of_range(labels, classes, loss.dtype)
+        # An out-of-range label's one-hot is all zeros: a finite, wrong loss.  Raising inside a
+        # traced DTensor step is no option (an op error cancels TF's collective executor and
+        # poisons every later step), so, as TF's own kernel does on GPU, those rows' loss and
+        # gradients become NaN (a product, so the gradient is NaN too).
+        # Arithmetic, not a bool mask: TF DTensor may move the factor to the loss's layout, and
+        # its collectives carry no bools.  min(l, C-1-l) >= 0 exactly for valid labels, so
+        # sqrt(. + 0.5) is finite there (factor 1) and NaN for the others.
+        lab = tf.cast(labels, loss.dtype)
+        loss = loss * (1.0 + 0.0 * tf.sqrt(tf.minimum(lab, classes - 1.0 - lab) + 0.5))
     return loss
-
-
-def _nan_where_out_of_range(labels: tf.Tensor, classes: int, dtype: tf.DType) -> tf.Tensor:
-    """1 per valid label, NaN per out-of-range one: TF's GPU kernel's answer in a graph.
-
-    A one-hot of an out-of-range label is all zeros, which would give a finite,
-    wrong loss.  Raising inside a traced DTensor step is no option: an op
-    error there cancels TF's collective executor and poisons every later
-    step in the process.  So, as TF's own kernel does on GPU, those rows'
-    loss and gradients become NaN (a product, so the gradient is NaN too).
-    """
-    valid = tf.logical_and(labels >= 0, labels < classes)
-    return tf.where(valid, tf.ones_like(labels, dtype), tf.fill(tf.shape(labels), tf.constant(float("nan"), dtype)))
 
 
 def _check_labels(labels: tf.Tensor, classes: int) -> None:
