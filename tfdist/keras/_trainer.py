@@ -128,6 +128,7 @@ def _by_batch_split(step_function, run_eagerly: bool, mesh, batch_axis):
         with replicated_batch():
             return partial(_data.shard_batch(data, mesh, batch_axis))
 
+    step.traced = (even, partial)  # the step programs, for inspection (tests compare their graphs)
     return step
 
 
@@ -155,6 +156,7 @@ def install() -> None:
                 raise StopIteration
             return outputs
 
+        function.one_step = one_step
         return function
 
     def make_predict_function(self, force=False):

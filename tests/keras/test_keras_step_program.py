@@ -1,0 +1,105 @@
+"""Regression guard: the step program Keras fit runs on tfdist holds no work the same step
+written by hand in TF DTensor does not need.  Compared on the traced graphs (op counts of
+the compute-heavy ops) and on what TF executes (collectives and the bytes they send, read by
+CommDebugMode from the executed programs) -- not on time."""
+
+from __future__ import annotations
+
+import collections
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+import tfdist.keras  # noqa: F401  (the Keras plug-in)
+from keras_helpers import no_global_distribution  # noqa: F401
+from tfdist.keras import _data
+from tfdist.keras._trainer import mesh_of
+from tfdist.tensor.debug import CommDebugMode
+
+RNG = np.random.default_rng(0)
+X = RNG.standard_normal((64, 16)).astype(np.float32)
+Y = RNG.standard_normal((64, 8)).astype(np.float32)
+LR = 0.1
+HEAVY = ("MatMul", "BatchMatMulV2", "Einsum", "Conv2D")
+
+
+def _mlp():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu", name="up"),
+                             keras.layers.Dense(8, name="down")])
+
+
+def _fit_one_step(distribution):
+    keras.distribution.set_distribution(distribution)
+    model = _mlp()
+    model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
+    start = [v.numpy() for v in model.trainable_variables]
+    model.fit(X, Y, batch_size=64, epochs=1, verbose=0, shuffle=False)
+    mesh, batch_axis = mesh_of(model)
+    data = _data.shard_batch((X, Y), mesh, batch_axis)
+    return model, model.train_function.one_step.traced[0], data, start
+
+
+def _hand_written(start, layouts, mesh):
+    """The same step in raw TF DTensor: the MLP, mean squared error, SGD."""
+    ws = [dtensor.DVariable(dtensor.relayout(
+        dtensor.copy_to_mesh(tf.constant(w), dtensor.Layout.replicated(mesh, w.ndim)), layout))
+        for w, layout in zip(start, layouts)]
+    batch = dtensor.Layout.batch_sharded(mesh, "batch", 2)
+    xb, yb = (dtensor.relayout(dtensor.copy_to_mesh(tf.constant(a), dtensor.Layout.replicated(mesh, 2)), batch)
+              for a in (X, Y))
+
+    @tf.function
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            out = tf.nn.relu(xb @ ws[0] + ws[1]) @ ws[2] + ws[3]
+            loss = tf.reduce_mean(tf.square(out - yb))
+        for w, g in zip(ws, tape.gradient(loss, ws)):
+            w.assign_sub(LR * g)
+        return loss
+
+    return step, (xb, yb)
+
+
+def _heavy_ops(fn, *args) -> collections.Counter:
+    graph = fn.get_concrete_function(*args).graph
+    return collections.Counter(op.type for op in graph.get_operations() if op.type in HEAVY)
+
+
+def _executed(fn, *args):
+    fn(*args)
+    with CommDebugMode() as comm:
+        fn(*args)
+    return comm.get_comm_counts(), sum(comm.get_comm_bytes().values())
+
+
+SCALARS = 64  # bytes: a few scalar metrics (loss tracker) may travel beside the step's own
+
+
+@pytest.mark.parametrize("kind", ["data_parallel", "tensor_parallel"])
+def test_fit_step_runs_no_more_compute_or_communication_than_the_hand_written_step(kind):
+    if kind == "data_parallel":
+        distribution = keras.distribution.DataParallel()
+        mesh = dtensor.create_mesh([("batch", 8)], devices=[f"CPU:{i}" for i in range(8)])
+        specs = [[dtensor.UNSHARDED] * 2, [dtensor.UNSHARDED], [dtensor.UNSHARDED] * 2, [dtensor.UNSHARDED]]
+    else:
+        device_mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"])
+        layout_map = keras.distribution.LayoutMap(device_mesh)
+        layout_map[".*up/kernel"] = (None, "model")
+        layout_map[".*up/bias"] = ("model",)
+        layout_map[".*down/kernel"] = ("model", None)
+        distribution = keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+        mesh = dtensor.create_mesh([("batch", 2), ("model", 4)], devices=[f"CPU:{i}" for i in range(8)])
+        U = dtensor.UNSHARDED
+        specs = [[U, "model"], ["model"], ["model", U], [U]]
+    model, fit_step, data, start = _fit_one_step(distribution)
+    hand, hand_args = _hand_written(start, [dtensor.Layout(s, mesh) for s in specs], mesh)
+
+    assert _heavy_ops(fit_step, data) == _heavy_ops(hand, *hand_args)
+    fit_counts, fit_bytes = _executed(fit_step, data)
+    hand_counts, hand_bytes = _executed(hand, *hand_args)
+    assert fit_bytes <= hand_bytes + SCALARS, (fit_counts, fit_bytes, hand_counts, hand_bytes)
+    assert sum(fit_counts.values()) <= sum(hand_counts.values()), (fit_counts, hand_counts)
