@@ -124,6 +124,9 @@ PATCHES: tuple[Patch, ...] = (
           "with", _NOISE),
     Patch("keras.src.backend.tensorflow.random", None, "uniform", ("shape", "minval", "maxval", "dtype", "seed"),
           "with", _NOISE),
+    Patch("keras.src.layers.layer", "Layer", "__call__", ("self", "args", "kwargs"), "process",
+          "plain eager inputs of a layer on a mesh are replicated onto it (torch's Replicate annotation; "
+          "eager DTensor refuses host tensors)"),
     Patch("keras.src.losses.loss", "Loss", "__call__", ("self", "y_true", "y_pred", "sample_weight"), "process",
           "eager labels/sample weights beside DTensor predictions go onto their mesh (torch's Replicate annotation)"),
     Patch("keras.src.backend.tensorflow.nn", None, "sparse_categorical_crossentropy",

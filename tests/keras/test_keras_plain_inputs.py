@@ -89,3 +89,45 @@ def test_a_plain_tensor_next_to_dtensors_in_a_raw_tf_function():
     a = tfdist.tensor.distribute_tensor(tf.constant(X[:8]), mesh, [Shard(0)]).to_tf()
     got = tf.function(lambda u, v: u + v)(a, tf.constant(X[8:16]))
     np.testing.assert_allclose(gather_to_numpy(got), X[:8] + X[8:16])
+
+
+@pytest.mark.parametrize("distribution", ["model_parallel", "data_parallel"])
+def test_eager_call_under_keras_distribution_takes_numpy_and_tensors(distribution):
+    """``model(x)`` on arrays, before and after the model is built, as on one device: the
+    inputs are replicated onto the model's mesh (TF DTensor refuses host tensors)."""
+    ids = RNG.integers(0, 32, (4, 6)).astype("int32")
+
+    def build():
+        keras.utils.set_random_seed(3)
+        inputs = keras.Input((6,), dtype="int32")
+        h = keras.layers.Embedding(32, 8, name="emb")(inputs)
+        return keras.Model(inputs, keras.layers.Dense(16, name="proj")(h))
+
+    reference = build()
+    want = reference(ids).numpy()
+    if distribution == "model_parallel":
+        mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"])
+        layout_map = keras.distribution.LayoutMap(mesh)
+        layout_map[".*emb/embeddings"] = ("model", None)
+        layout_map[".*proj/kernel"] = (None, "model")
+        keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map))
+    else:
+        keras.distribution.set_distribution(keras.distribution.DataParallel())
+    model = build()
+    for x in (ids, tf.constant(ids)):
+        np.testing.assert_allclose(gather_to_numpy(model(x)), want, rtol=1e-5, atol=1e-6)
+    layer = model.get_layer("proj")  # a built layer alone, on a float array
+    h = reference.get_layer("emb")(ids).numpy()
+    np.testing.assert_allclose(gather_to_numpy(layer(h)), reference.get_layer("proj")(h).numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_first_eager_call_builds_a_subclassed_model_under_a_distribution():
+    """Before the first call there are no variables: the inputs go to the distribution's mesh."""
+    from tfdist.models import MLP
+
+    x = RNG.standard_normal((4, 8)).astype("float32")
+    keras.utils.set_random_seed(4)
+    want = MLP(8, 16)(x).numpy()
+    keras.distribution.set_distribution(keras.distribution.DataParallel())
+    keras.utils.set_random_seed(4)
+    np.testing.assert_allclose(gather_to_numpy(MLP(8, 16)(x)), want, rtol=1e-5, atol=1e-6)

@@ -34,7 +34,13 @@ on a distributed model.  tfdist seeds a DTensor target with
 causal and sliding-window masks (``ops.ones`` + ``cumsum``), and the causal
 mask of the TF backend's ``dot_product_attention`` (``band_part`` of ones).
 
-4. Labels and sample weights given to a Keras loss next to DTensor
+4. A model or layer called eagerly on a plain tensor or array (``model(x)``
+to build or try a model under ``keras.distribution``): the inputs are
+replicated onto the mesh of the layer's variables (before it is built, the
+active distribution's mesh) -- torch's ``Replicate`` annotation; inside,
+the layouts apply as in ``fit``.
+
+5. Labels and sample weights given to a Keras loss next to DTensor
 predictions, eagerly: replicated onto the predictions' mesh (torch's
 ``Replicate`` annotation of a plain tensor).  In eager
 mode, next to DTensor activations, they are copied onto the query's mesh,
@@ -51,7 +57,11 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 from tensorflow.python.eager import context
 
+import keras
+
 from tfdist import _patches
+from tfdist.keras import _variables
+from tfdist.keras._backend import tfdist_mesh
 
 _NAME = "tensorflow.python.eager.polymorphic_function.concrete_function:ConcreteFunction._call_flat"
 _GRADIENT = "tensorflow.python.eager.backprop:GradientTape.gradient"
@@ -59,6 +69,7 @@ _MHA = "keras.src.layers.attention.multi_head_attention:MultiHeadAttention."
 _MASKS = ("_compute_causal_mask", "_compute_sliding_window_mask")
 _APPLY_MASKS = "keras.src.backend.tensorflow.nn:_apply_masks"
 _LOSS_CALL = "keras.src.losses.loss:Loss.__call__"
+_LAYER_CALL = "keras.src.layers.layer:Layer.__call__"
 _NOT_DATA = (tf.resource, tf.variant)
 
 
@@ -138,6 +149,43 @@ def _as_tensor(value: Any) -> Any:
     return tf.convert_to_tensor(value) if isinstance(value, np.ndarray) else value
 
 
+def _layer_mesh(layer: Any) -> dtensor.Mesh | None:
+    """The one mesh of ``layer``'s DTensor variables; before it has any, the active keras
+    distribution's mesh (None: neither, or variables on several meshes)."""
+    variables = layer.variables
+    if variables:
+        meshes = {_variables.layout_of(v._value).mesh for v in variables if _variables.is_dtensor_variable(v)}
+        return meshes.pop() if len(meshes) == 1 else None
+    distribution = keras.distribution.distribution()
+    return tfdist_mesh(distribution.device_mesh).to_tf() if distribution is not None else None
+
+
+def lift_layer_inputs(layer: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``args``/``kwargs`` of an eager layer call with plain tensors and arrays replicated onto
+    the layer's mesh; unchanged when there is none (the usual case: a cheap scan)."""
+    flat = tf.nest.flatten((args, kwargs))
+    plain = [isinstance(x, np.ndarray) and x.ndim and x.dtype.kind in "biuf" or _is_plain(x) for x in flat]
+    if not any(plain):
+        return args, kwargs
+    mesh = _layer_mesh(layer)
+    if mesh is None:
+        return args, kwargs
+    flat = [dtensor.copy_to_mesh(tf.convert_to_tensor(x), dtensor.Layout.replicated(mesh, np.ndim(x))) if p else x
+            for x, p in zip(flat, plain)]
+    return tf.nest.pack_sequence_as((args, kwargs), flat)
+
+
+def _install_layer_inputs() -> None:
+    original = _patches.original(_LAYER_CALL)
+
+    def call(self, *args, **kwargs):
+        if tf.executing_eagerly():
+            args, kwargs = lift_layer_inputs(self, args, kwargs)
+        return original(self, *args, **kwargs)
+
+    _patches.install(_LAYER_CALL, call)
+
+
 def _install_loss_inputs() -> None:
     original = _patches.original(_LOSS_CALL)
 
@@ -153,6 +201,7 @@ def _install_loss_inputs() -> None:
 def install() -> None:
     _install_masks()
     _install_loss_inputs()
+    _install_layer_inputs()
     _install_backend_causal_mask()
     original_gradient = _patches.original(_GRADIENT)
 
