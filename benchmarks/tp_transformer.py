@@ -20,7 +20,6 @@ Run: python benchmarks/tp_transformer.py [--steps 20]
 from __future__ import annotations
 
 import argparse
-import math
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -35,6 +34,7 @@ tfdist.virtual_cpus(8)
 import keras  # noqa: E402
 from tensorflow.experimental import dtensor  # noqa: E402
 
+import _handwritten  # noqa: E402
 from _common import executed_collective_bytes, print_table, time_call, write_results  # noqa: E402
 from tfdist.keras import _data  # noqa: E402
 from tfdist.models import GPT, parallelize_gpt  # noqa: E402
@@ -67,60 +67,8 @@ def raw_dtensor_step_fn(reference: GPT, tf_mesh, x, y):
 
     With ``tf_mesh=None`` the same program runs on plain variables on one device.
     """
-
-    def lay(*specs):
-        return dtensor.Layout(list(specs), tf_mesh)
-
-    def dvar(value, *specs):
-        value = tf.constant(value)
-        if tf_mesh is None:
-            return tf.Variable(value)
-        rep = dtensor.Layout.replicated(tf_mesh, value.shape.rank)
-        return dtensor.DVariable(dtensor.relayout(dtensor.copy_to_mesh(value, rep), lay(*specs)))
-
-    def relayout(t, *specs):
-        return t if tf_mesh is None else dtensor.relayout(t, lay(*specs))
-
-    w = {"tok": dvar(reference.tok.embeddings.numpy(), "tp", U),
-         "pos": dvar(reference.pos.embeddings.numpy(), U, U),
-         "lnf_g": dvar(reference.ln_f.gamma.numpy(), U), "lnf_b": dvar(reference.ln_f.beta.numpy(), U),
-         "head": dvar(reference.head.kernel.numpy(), U, "tp")}
-    for i, b in enumerate(reference.blocks):
-        a = b.attn
-        w.update({
-            f"{i}ln1_g": dvar(b.ln1.gamma.numpy(), U), f"{i}ln1_b": dvar(b.ln1.beta.numpy(), U),
-            f"{i}ln2_g": dvar(b.ln2.gamma.numpy(), U), f"{i}ln2_b": dvar(b.ln2.beta.numpy(), U),
-            f"{i}q": dvar(a._query_dense.kernel.numpy(), U, "tp", U), f"{i}qb": dvar(a._query_dense.bias.numpy(), "tp", U),
-            f"{i}k": dvar(a._key_dense.kernel.numpy(), U, "tp", U), f"{i}kb": dvar(a._key_dense.bias.numpy(), "tp", U),
-            f"{i}v": dvar(a._value_dense.kernel.numpy(), U, "tp", U), f"{i}vb": dvar(a._value_dense.bias.numpy(), "tp", U),
-            f"{i}o": dvar(a._output_dense.kernel.numpy(), "tp", U, U), f"{i}ob": dvar(a._output_dense.bias.numpy(), U),
-            f"{i}up": dvar(b.mlp.up.kernel.numpy(), U, "tp"), f"{i}upb": dvar(b.mlp.up.bias.numpy(), "tp"),
-            f"{i}dn": dvar(b.mlp.down.kernel.numpy(), "tp", U), f"{i}dnb": dvar(b.mlp.down.bias.numpy(), U),
-        })
+    w, forward = _handwritten.gpt(reference, tf_mesh, VOCAB, SEQ, DIM, HEADS)
     names = sorted(w)
-
-    def ln(h, g, b):
-        mean, var = tf.nn.moments(h, axes=[-1], keepdims=True)
-        return (h - mean) * tf.math.rsqrt(var + 1e-5) * g + b
-
-    def forward(ids):
-        one_hot = relayout(tf.one_hot(ids, VOCAB), "dp", U, "tp")
-        h = tf.einsum("bsv,vd->bsd", one_hot, w["tok"]) + w["pos"][:SEQ]
-        mask = tf.linalg.band_part(tf.ones((SEQ, SEQ)), -1, 0)
-        for i in range(DEPTH):
-            a = ln(h, w[f"{i}ln1_g"], w[f"{i}ln1_b"])
-            q = tf.einsum("abc,cde->abde", a, w[f"{i}q"]) + w[f"{i}qb"]
-            k = tf.einsum("abc,cde->abde", a, w[f"{i}k"]) + w[f"{i}kb"]
-            v = tf.einsum("abc,cde->abde", a, w[f"{i}v"]) + w[f"{i}vb"]
-            q = q * (1.0 / math.sqrt(DIM // HEADS))
-            scores = tf.einsum("aecd,abcd->acbe", k, q)
-            scores = scores + (1.0 - mask) * -1e9
-            att = tf.einsum("acbe,aecd->abcd", tf.nn.softmax(scores, axis=-1), v)
-            h = h + tf.einsum("abcd,cde->abe", att, w[f"{i}o"]) + w[f"{i}ob"]
-            m = ln(h, w[f"{i}ln2_g"], w[f"{i}ln2_b"])
-            up = tf.nn.gelu(tf.einsum("bsd,dh->bsh", m, w[f"{i}up"]) + w[f"{i}upb"], approximate=False)
-            h = h + tf.einsum("bsh,hd->bsd", up, w[f"{i}dn"]) + w[f"{i}dnb"]
-        return tf.einsum("bsd,dv->bsv", ln(h, w["lnf_g"], w["lnf_b"]), w["head"])
 
     @tf.function
     def step(ids, labels):

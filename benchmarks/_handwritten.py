@@ -1,0 +1,131 @@
+"""The benchmark models written by hand in raw ``tf.experimental.dtensor``: the baseline tfdist
+is measured against.  No tfdist code runs inside these programs.
+
+Each builder takes the one-device Keras model (for its initial weights) and a TF mesh (or
+``None`` for plain variables on one device) and returns ``(weights, forward)``: a dict of
+variables with the Megatron layouts, and the forward pass on a batch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+U = dtensor.UNSHARDED
+
+
+def _placer(tf_mesh):
+    def dvar(value, *specs):
+        value = tf.constant(value)
+        if tf_mesh is None:
+            return tf.Variable(value)
+        rep = dtensor.Layout.replicated(tf_mesh, value.shape.rank)
+        return dtensor.DVariable(dtensor.relayout(dtensor.copy_to_mesh(value, rep), dtensor.Layout(list(specs), tf_mesh)))
+
+    def relayout(t, *specs):
+        return t if tf_mesh is None else dtensor.relayout(t, dtensor.Layout(list(specs), tf_mesh))
+
+    return dvar, relayout
+
+
+def mlp(reference, tf_mesh):
+    """``down(gelu(up(x)))``: up column-parallel, down row-parallel on the "tp" mesh dim."""
+    dvar, _ = _placer(tf_mesh)
+    up, down = reference.get_layer("up"), reference.get_layer("down")
+    w = {"up": dvar(up.kernel.numpy(), U, "tp"), "upb": dvar(up.bias.numpy(), "tp"),
+         "dn": dvar(down.kernel.numpy(), "tp", U), "dnb": dvar(down.bias.numpy(), U)}
+
+    def forward(x):
+        return tf.nn.gelu(x @ w["up"] + w["upb"], approximate=False) @ w["dn"] + w["dnb"]
+
+    return w, forward
+
+
+def gpt(reference, tf_mesh, vocab: int, seq: int, dim: int, heads: int):
+    """``tfdist.models.GPT``'s forward with head-sharded attention, Megatron MLP, vocabulary-
+    parallel embedding and head; the logits stay sharded on the vocabulary."""
+    dvar, relayout = _placer(tf_mesh)
+    w = {"tok": dvar(reference.tok.embeddings.numpy(), "tp", U),
+         "pos": dvar(reference.pos.embeddings.numpy(), U, U),
+         "lnf_g": dvar(reference.ln_f.gamma.numpy(), U), "lnf_b": dvar(reference.ln_f.beta.numpy(), U),
+         "head": dvar(reference.head.kernel.numpy(), U, "tp")}
+    for i, b in enumerate(reference.blocks):
+        a = b.attn
+        w.update({
+            f"{i}ln1_g": dvar(b.ln1.gamma.numpy(), U), f"{i}ln1_b": dvar(b.ln1.beta.numpy(), U),
+            f"{i}ln2_g": dvar(b.ln2.gamma.numpy(), U), f"{i}ln2_b": dvar(b.ln2.beta.numpy(), U),
+            f"{i}q": dvar(a._query_dense.kernel.numpy(), U, "tp", U), f"{i}qb": dvar(a._query_dense.bias.numpy(), "tp", U),
+            f"{i}k": dvar(a._key_dense.kernel.numpy(), U, "tp", U), f"{i}kb": dvar(a._key_dense.bias.numpy(), "tp", U),
+            f"{i}v": dvar(a._value_dense.kernel.numpy(), U, "tp", U), f"{i}vb": dvar(a._value_dense.bias.numpy(), "tp", U),
+            f"{i}o": dvar(a._output_dense.kernel.numpy(), "tp", U, U), f"{i}ob": dvar(a._output_dense.bias.numpy(), U),
+            f"{i}up": dvar(b.mlp.up.kernel.numpy(), U, "tp"), f"{i}upb": dvar(b.mlp.up.bias.numpy(), "tp"),
+            f"{i}dn": dvar(b.mlp.down.kernel.numpy(), "tp", U), f"{i}dnb": dvar(b.mlp.down.bias.numpy(), U),
+        })
+    depth = len(reference.blocks)
+
+    def ln(h, g, b):
+        mean, var = tf.nn.moments(h, axes=[-1], keepdims=True)
+        return (h - mean) * tf.math.rsqrt(var + 1e-5) * g + b
+
+    def forward(ids):
+        one_hot = relayout(tf.one_hot(ids, vocab), "dp", U, "tp")
+        h = tf.einsum("bsv,vd->bsd", one_hot, w["tok"]) + w["pos"][:seq]
+        mask = tf.linalg.band_part(tf.ones((seq, seq)), -1, 0)
+        for i in range(depth):
+            a = ln(h, w[f"{i}ln1_g"], w[f"{i}ln1_b"])
+            q = tf.einsum("abc,cde->abde", a, w[f"{i}q"]) + w[f"{i}qb"]
+            k = tf.einsum("abc,cde->abde", a, w[f"{i}k"]) + w[f"{i}kb"]
+            v = tf.einsum("abc,cde->abde", a, w[f"{i}v"]) + w[f"{i}vb"]
+            q = q * (1.0 / math.sqrt(dim // heads))
+            scores = tf.einsum("aecd,abcd->acbe", k, q)
+            scores = scores + (1.0 - mask) * -1e9
+            att = tf.einsum("acbe,aecd->abcd", tf.nn.softmax(scores, axis=-1), v)
+            h = h + tf.einsum("abcd,cde->abe", att, w[f"{i}o"]) + w[f"{i}ob"]
+            m = ln(h, w[f"{i}ln2_g"], w[f"{i}ln2_b"])
+            up = tf.nn.gelu(tf.einsum("bsd,dh->bsh", m, w[f"{i}up"]) + w[f"{i}upb"], approximate=False)
+            h = h + tf.einsum("bsh,hd->bsd", up, w[f"{i}dn"]) + w[f"{i}dnb"]
+        return tf.einsum("bsd,dv->bsv", ln(h, w["lnf_g"], w["lnf_b"]), w["head"])
+
+    return w, forward
+
+
+def sharded_cross_entropy(labels, logits):
+    """Mean token cross-entropy on vocabulary-sharded logits, as one writes it by hand for TF
+    DTensor: every class-dim reduction is a reduction of a sharded dim (an all-reduce of a
+    ``[batch, seq]`` tensor), never a gather of the logits."""
+    peak = tf.stop_gradient(tf.reduce_max(logits, axis=-1, keepdims=True))
+    lse = tf.math.log(tf.reduce_sum(tf.exp(logits - peak), axis=-1)) + tf.squeeze(peak, -1)
+    picked = tf.reduce_sum(tf.one_hot(labels, logits.shape[-1]) * logits, axis=-1)
+    return tf.reduce_mean(lse - picked)
+
+
+def adam(weights: dict, lr: float, beta_1: float = 0.9, beta_2: float = 0.999, epsilon: float = 1e-7):
+    """Keras' Adam written by hand on the same variables: slots take their weight's layout, and the
+    update uses the values it computed (a DVariable read right after its own assign on a 2-D mesh
+    returns the old value in TF 2.21)."""
+    def like(v):
+        zeros = tf.zeros_like(v)
+        return tf.Variable(zeros) if not dtensor.is_dtensor(zeros) else dtensor.DVariable(zeros)
+
+    slots = {n: (like(v), like(v)) for n, v in weights.items()}
+    step = tf.Variable(0.0)
+    if dtensor.is_dtensor(next(iter(weights.values()))):
+        mesh = dtensor.fetch_layout(next(iter(weights.values()))).mesh
+        step = dtensor.DVariable(dtensor.copy_to_mesh(tf.constant(0.0), dtensor.Layout.replicated(mesh, 0)))
+
+    def apply(grads: dict) -> None:
+        t = step + 1.0
+        step.assign(t)
+        alpha = lr * tf.sqrt(1.0 - tf.pow(beta_2, t)) / (1.0 - tf.pow(beta_1, t))
+        for n, g in grads.items():
+            g = tf.convert_to_tensor(g)
+            m, v = slots[n]
+            m_new = m + (g - m) * (1.0 - beta_1)
+            v_new = v + (tf.square(g) - v) * (1.0 - beta_2)
+            m.assign(m_new)
+            v.assign(v_new)
+            weights[n].assign_sub(m_new * alpha / (tf.sqrt(v_new) + epsilon))
+
+    return apply

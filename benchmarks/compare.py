@@ -1,0 +1,477 @@
+"""One command that compares Keras training on tfdist with every baseline, side by side.
+
+    python benchmarks/compare.py [--rounds 3] [--workloads W1,W2] [--programs ...]
+
+Workloads (Adam, the same initial weights and data in every program):
+
+- W1: a 2-layer MLP, 1024 -> 1024 (gelu) -> 1024, 2.1M parameters, MSE, batch 64;
+- W2: ``tfdist.models.GPT`` (vocab 256, seq 64, dim 128, 8 heads, 2 blocks), 0.5M
+  parameters, token cross-entropy, batch 16.
+
+Programs, each run in a fresh process (interleaved: round r runs every program once, in an
+order rotated by r), on 8 virtual CPUs:
+
+- ``one_device``: Keras 3 ``fit`` on one device;
+- ``hand_written``: the same model, loss and Adam written by hand in raw TF DTensor on a 2x4
+  (dp x tp) mesh, Megatron layouts, batches packed by dp coordinate; a Python loop of steps;
+- ``tfdist_parallelize``: Keras 3 ``fit`` after ``parallelize_module`` (W2:
+  ``parallelize_gpt``) on 2x4;
+- ``tfdist_layout_map``: Keras 3 ``fit`` under ``keras.distribution.ModelParallel`` with a
+  ``LayoutMap`` on 2x4 (tfdist makes it work on TensorFlow);
+- ``tfdist_data_parallel``: Keras 3 ``fit`` under ``keras.distribution.DataParallel`` on 8;
+- ``tf_keras_layout_map``: tf_keras (Keras 2) DTensor ``LayoutMap`` on 2x4, fed by a
+  ``DTensorDataset`` (its ``fit`` on arrays fails), with tf_keras' DTensor Adam;
+- ``mirrored``: Keras 3 ``fit`` under ``tf.distribute.MirroredStrategy`` on 8.
+
+Each program reports the median-free steady step time (the wall time of the steps after the
+warm-up, synchronised only at their two ends, so that feeding may overlap compute), the first
+step (trace + compile), how long ``fit`` takes to return after its last step, peak resident
+memory, and its per-step losses.  The parent checks every program's losses against
+``one_device``'s, takes medians over rounds and writes ``results/compare.json``,
+``results/compare.md`` (the table docs/performance.md quotes) and ``results/compare.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PROGRAMS = ["one_device", "hand_written", "tfdist_parallelize", "tfdist_layout_map", "tfdist_data_parallel",
+            "tf_keras_layout_map", "mirrored"]
+WORKLOADS = {
+    "W1": dict(kind="mlp", dim=1024, hidden=1024, batch=64, steps=40, warmup=10, lr=1e-3),
+    "W2": dict(kind="gpt", vocab=256, seq=64, dim=128, heads=8, depth=2, batch=16, steps=30, warmup=10, lr=1e-3),
+}
+LOSS_RTOL = 1e-3  # float32 sums in another order, over up to 40 Adam steps
+# the ratios the issue sets goals for: (name, numerator, denominator, goal)
+RATIOS = [
+    ("tfdist parallelize_module fit 2x4 / hand-written TF DTensor 2x4", "tfdist_parallelize", "hand_written", 1.02),
+    ("tfdist LayoutMap fit 2x4 / hand-written TF DTensor 2x4", "tfdist_layout_map", "hand_written", 1.02),
+    ("tfdist parallelize_module fit 2x4 / tf_keras LayoutMap fit 2x4", "tfdist_parallelize", "tf_keras_layout_map", 0.90),
+    ("tfdist LayoutMap fit 2x4 / tf_keras LayoutMap fit 2x4", "tfdist_layout_map", "tf_keras_layout_map", 0.90),
+    ("tfdist DataParallel fit 8 / MirroredStrategy fit 8", "tfdist_data_parallel", "mirrored", 1.00),
+]
+
+
+# ----------------------------------------------------------------------------- worker side
+
+def _data(w: dict):
+    rng = np.random.default_rng(0)
+    n = w["batch"] * w["steps"]
+    if w["kind"] == "mlp":
+        x = rng.standard_normal((n, w["dim"])).astype(np.float32)
+        return x, np.tanh(x[:, ::-1]).astype(np.float32)
+    ids = rng.integers(0, w["vocab"], (n, w["seq"] + 1)).astype(np.int32)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def _keras_model(keras, w: dict):
+    keras.utils.set_random_seed(0)
+    if w["kind"] == "mlp":
+        return keras.Sequential([keras.Input((w["dim"],)), keras.layers.Dense(w["hidden"], activation="gelu", name="up"),
+                                 keras.layers.Dense(w["dim"], name="down")], name="mlp")
+    from tfdist.models import GPT  # a stock-Keras model: importing it loads tfdist's package, not its Keras plug-in
+
+    model = GPT(w["vocab"], w["seq"], w["dim"], w["heads"], w["depth"], name="gpt")
+    model(np.zeros((1, w["seq"]), "int32"))
+    return model
+
+
+def _loss(keras, w: dict):
+    return "mse" if w["kind"] == "mlp" else keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def _scalar(t) -> float:
+    from tensorflow.experimental import dtensor
+
+    if hasattr(t, "dtype") and dtensor.is_dtensor(t):
+        t = dtensor.unpack(t)[0]
+    return float(np.asarray(t))
+
+
+class _Clock:
+    """Times of the steps; synchronises (reads the loss) only at step 0, the last warm-up step
+    and the last step, so the steps in between may overlap feeding and compute."""
+
+    def __init__(self, w: dict) -> None:
+        self.sync_at = {0, w["warmup"] - 1, w["steps"] - 1}
+        self.warmup, self.steps = w["warmup"], w["steps"]
+        self.losses: list = []
+        self.times: list[float] = []
+        self.start = time.perf_counter()
+
+    def step_done(self, i: int, loss) -> None:
+        if i in self.sync_at:
+            _scalar(loss)
+        self.losses.append(loss)
+        self.times.append(time.perf_counter())
+
+    def report(self, returned: float, running_mean: bool) -> dict:
+        losses = [_scalar(v) for v in self.losses]
+        if not running_mean:  # Keras logs the epoch's running mean; a hand-written loop its own loss
+            losses = list(np.cumsum(losses) / np.arange(1, len(losses) + 1))
+        steady = (self.times[-1] - self.times[self.warmup - 1]) / (self.steps - self.warmup)
+        return {"step_ms": steady * 1e3, "first_step_s": self.times[0] - self.start,
+                "fit_return_s": returned - self.times[-1], "losses": losses}
+
+
+def _keras_callback(base, clock: _Clock):
+    class Timer(base):
+        def on_train_begin(self, logs=None):
+            clock.start = time.perf_counter()
+
+        def on_train_batch_end(self, batch, logs=None):
+            clock.step_done(batch, logs["loss"])
+
+    return Timer()
+
+
+def _fit(keras, model, w: dict, x, y) -> dict:
+    model.compile(optimizer=keras.optimizers.Adam(w["lr"]), loss=_loss(keras, w))
+    clock = _Clock(w)
+    model.fit(x, y, batch_size=w["batch"], epochs=1, shuffle=False, verbose=0,
+              callbacks=[_keras_callback(keras.callbacks.Callback, clock)])
+    return clock.report(time.perf_counter(), running_mean=True)
+
+
+def _virtual_cpus(n: int = 8) -> None:
+    import tensorflow as tf
+
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * n)
+
+
+def run_one_device(w, x, y):
+    import keras
+
+    return _fit(keras, _keras_model(keras, w), w, x, y)
+
+
+def run_mirrored(w, x, y):
+    import keras
+    import tensorflow as tf
+
+    strategy = tf.distribute.MirroredStrategy([f"/CPU:{i}" for i in range(8)])
+    with strategy.scope():
+        model = _keras_model(keras, w)
+        return _fit(keras, model, w, x, y)
+
+
+def run_hand_written(w, x, y):
+    import keras
+    import tensorflow as tf
+    from tensorflow.experimental import dtensor
+
+    import _handwritten
+
+    reference = _keras_model(keras, w)
+    mesh = dtensor.create_mesh([("dp", 2), ("tp", 4)], devices=[f"CPU:{i}" for i in range(8)])
+    if w["kind"] == "mlp":
+        weights, forward = _handwritten.mlp(reference, mesh)
+        loss_of = lambda out, target: tf.reduce_mean(tf.square(out - target))  # noqa: E731
+    else:
+        weights, forward = _handwritten.gpt(reference, mesh, w["vocab"], w["seq"], w["dim"], w["heads"])
+        loss_of = lambda out, target: _handwritten.sharded_cross_entropy(target, out)  # noqa: E731
+    update = _handwritten.adam(weights, w["lr"])
+    names = sorted(weights)
+
+    @tf.function
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = loss_of(forward(xb), yb)
+        update(dict(zip(names, tape.gradient(loss, [weights[n] for n in names]))))
+        return loss
+
+    def place(batch):  # one split into the dp pieces; the 4 tp devices of a dp row share one
+        pieces = tf.split(tf.constant(batch), 2)
+        layout = dtensor.Layout(["dp"] + [dtensor.UNSHARDED] * (batch.ndim - 1), mesh)
+        return dtensor.pack([pieces[i // 4] for i in range(8)], layout)
+
+    clock = _Clock(w)
+    b = w["batch"]
+    for i in range(w["steps"]):
+        clock.step_done(i, step(place(x[i * b:(i + 1) * b]), place(y[i * b:(i + 1) * b])))
+    return clock.report(time.perf_counter(), running_mean=False)
+
+
+def _gpt_layout_map(mesh):
+    """The GPT plan as keras.distribution LayoutMap keys (variable paths of a fresh process)."""
+    rules = {
+        "gpt/embedding/embeddings": ("model", None),
+        ".*/(query|key|value)/kernel": (None, "model", None),
+        ".*/(query|key|value)/bias": ("model", None),
+        ".*/attention_output/kernel": ("model", None, None),
+        ".*/mlp/dense/kernel": (None, "model"), ".*/mlp/dense/bias": ("model",),
+        ".*/mlp_1/dense_2/kernel": (None, "model"), ".*/mlp_1/dense_2/bias": ("model",),
+        ".*/mlp/dense_1/kernel": ("model", None), ".*/mlp_1/dense_3/kernel": ("model", None),
+        "gpt/dense_4/kernel": (None, "model"),
+    }
+    return rules
+
+
+def _tfdist_keras(distribution_of, w, x, y):
+    """Build the reference on one device, then the model under the distribution with its weights."""
+    import keras
+
+    import tfdist
+
+    tfdist.virtual_cpus(8)
+    import tfdist.keras  # noqa: F401  (the Keras plug-in)
+
+    weights = _keras_model(keras, w).get_weights()
+    keras.backend.clear_session()  # fresh layer names: the layout map's keys are the first model's paths
+    keras.distribution.set_distribution(distribution_of(keras))
+    model = _keras_model(keras, w)
+    model.set_weights(weights)
+    return _fit(keras, model, w, x, y)
+
+
+def run_tfdist_layout_map(w, x, y):
+    def distribution(keras):
+        mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"])
+        layout_map = keras.distribution.LayoutMap(mesh)
+        rules = ({".*/up/kernel": (None, "model"), ".*/up/bias": ("model",), ".*/down/kernel": ("model", None)}
+                 if w["kind"] == "mlp" else _gpt_layout_map(mesh))
+        for key, axes in rules.items():
+            layout_map[key] = axes
+        return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+
+    return _tfdist_keras(distribution, w, x, y)
+
+
+def run_tfdist_data_parallel(w, x, y):
+    return _tfdist_keras(lambda keras: keras.distribution.DataParallel(), w, x, y)
+
+
+def run_tfdist_parallelize(w, x, y):
+    import keras
+
+    import tfdist
+
+    tfdist.virtual_cpus(8)
+    import tfdist.keras  # noqa: F401
+    from tfdist.models import parallelize_gpt
+    from tfdist.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = tfdist.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+    model = _keras_model(keras, w)
+    if w["kind"] == "mlp":
+        parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    else:
+        parallelize_gpt(model, mesh)
+    return _fit(keras, model, w, x, y)
+
+
+def run_tf_keras_layout_map(w, x, y):
+    import keras
+    import tensorflow as tf
+    import tf_keras
+    from tensorflow.experimental import dtensor
+    from tf_keras.dtensor import experimental as kdt
+
+    U = dtensor.UNSHARDED
+    weights = _keras_model(keras, w).get_weights() if w["kind"] == "mlp" else None
+    mesh = dtensor.create_mesh([("batch", 2), ("model", 4)], devices=[f"CPU:{i}" for i in range(8)])
+    layout_map = kdt.LayoutMap(mesh=mesh)
+    tf_keras.utils.set_random_seed(0)
+    if w["kind"] == "mlp":
+        layout_map["up.kernel"] = dtensor.Layout([U, "model"], mesh)
+        layout_map["up.bias"] = dtensor.Layout(["model"], mesh)
+        layout_map["down.kernel"] = dtensor.Layout(["model", U], mesh)
+        with layout_map.scope():
+            inp = tf_keras.Input((w["dim"],))
+            h = tf_keras.layers.Dense(w["hidden"], activation="gelu", name="up")(inp)
+            model = tf_keras.Model(inp, tf_keras.layers.Dense(w["dim"], name="down")(h))
+        model.set_weights(weights)
+        loss = "mse"
+    else:  # the GPT in tf_keras layers, layouts as in the plan (its own initial weights)
+        layout_map[".*embeddings"] = dtensor.Layout(["model", U], mesh)
+        for proj in ("query", "key", "value"):
+            layout_map[f".*{proj}/kernel"] = dtensor.Layout([U, "model", U], mesh)
+        layout_map[".*attention_output/kernel"] = dtensor.Layout(["model", U, U], mesh)
+        layout_map[".*up.*/kernel"] = dtensor.Layout([U, "model"], mesh)
+        layout_map[".*down.*/kernel"] = dtensor.Layout(["model", U], mesh)
+        layout_map[".*head/kernel"] = dtensor.Layout([U, "model"], mesh)
+        with layout_map.scope():
+            inputs = tf_keras.Input((w["seq"],), dtype="int32")
+            h = tf_keras.layers.Embedding(w["vocab"], w["dim"])(inputs)
+            for i in range(w["depth"]):
+                a = tf_keras.layers.LayerNormalization(epsilon=1e-5)(h)
+                h = h + tf_keras.layers.MultiHeadAttention(w["heads"], w["dim"] // w["heads"])(a, a, use_causal_mask=True)
+                m = tf_keras.layers.LayerNormalization(epsilon=1e-5)(h)
+                up = tf_keras.layers.Dense(4 * w["dim"], activation="gelu", name=f"up{i}")(m)
+                h = h + tf_keras.layers.Dense(w["dim"], name=f"down{i}")(up)
+            logits = tf_keras.layers.Dense(w["vocab"], use_bias=False, name="head")(
+                tf_keras.layers.LayerNormalization(epsilon=1e-5)(h))
+            model = tf_keras.Model(inputs, logits)
+        loss = tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model.compile(optimizer=kdt.optimizers.Adam(w["lr"], mesh=mesh), loss=loss)
+    layout = lambda rank: dtensor.Layout(["batch"] + [U] * (rank - 1), mesh)  # noqa: E731
+    data = dtensor.DTensorDataset(tf.data.Dataset.from_tensor_slices((x, y)), mesh=mesh,
+                                  layouts=(layout(x.ndim), layout(y.ndim)), global_batch_size=w["batch"],
+                                  batch_dim="batch")
+    clock = _Clock(w)
+    model.fit(data, steps_per_epoch=w["steps"], epochs=1, verbose=0,
+              callbacks=[_keras_callback(tf_keras.callbacks.Callback, clock)])
+    report = clock.report(time.perf_counter(), running_mean=True)
+    if w["kind"] != "mlp":
+        report["own_initial_weights"] = True
+    return report
+
+
+def worker(program: str, workload: str) -> None:
+    import resource
+
+    sys.path.insert(0, HERE)
+    if not program.startswith("tfdist"):
+        _virtual_cpus(8)  # the baselines run without tfdist in the process
+    w = WORKLOADS[workload]
+    x, y = _data(w)
+    try:
+        result = globals()[f"run_{program}"](w, x, y)
+    except Exception as err:  # noqa: BLE001 - a baseline that cannot run this workload is a result
+        result = {"error": f"{type(err).__name__}: {next((ln for ln in str(err).splitlines() if 'rror' in ln), str(err).splitlines()[0] if str(err) else '')[:200]}"}
+    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+# ----------------------------------------------------------------------------- parent side
+
+def run_worker(program: str, workload: str, timeout: float = 900) -> dict:
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", program, workload],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if not lines:
+        return {"error": f"worker exited {proc.returncode}: {proc.stderr.strip().splitlines()[-1:] }"}
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def summarize(runs: dict) -> dict:
+    """Medians over rounds, and each program's losses against one device's."""
+    out = {}
+    for workload, by_program in runs.items():
+        reference = next((r["losses"] for r in by_program.get("one_device", []) if "losses" in r), None)
+        out[workload] = {}
+        for program, results in by_program.items():
+            ok = [r for r in results if "error" not in r]
+            if not ok:
+                out[workload][program] = {"error": results[0]["error"], "peak_rss_mb": results[0].get("peak_rss_mb")}
+                continue
+            row = {k: float(np.median([r[k] for r in ok])) for k in ("step_ms", "first_step_s", "fit_return_s", "peak_rss_mb")}
+            row["rounds"] = len(ok)
+            row["step_ms_per_round"] = [round(r["step_ms"], 2) for r in ok]
+            if reference is not None and not ok[0].get("own_initial_weights"):
+                diff = float(np.max(np.abs(np.array(ok[0]["losses"]) - reference) / np.abs(reference)))
+                row["loss_rel_diff"] = diff
+                row["losses_agree"] = diff <= LOSS_RTOL
+            else:
+                row["losses_agree"] = None  # not comparable (its own initial weights)
+            out[workload][program] = row
+    return out
+
+
+def ratios(summary: dict) -> list[dict]:
+    rows = []
+    for name, num, den, goal in RATIOS:
+        row = {"ratio": name, "goal": goal}
+        for workload, by_program in summary.items():
+            a, b = by_program.get(num, {}), by_program.get(den, {})
+            row[workload] = round(a["step_ms"] / b["step_ms"], 3) if "step_ms" in a and "step_ms" in b else None
+        rows.append(row)
+    memory = {"ratio": "peak memory: tfdist DataParallel / MirroredStrategy", "goal": 1.00}
+    for workload, by_program in summary.items():
+        a, b = by_program.get("tfdist_data_parallel", {}), by_program.get("mirrored", {})
+        memory[workload] = round(a["peak_rss_mb"] / b["peak_rss_mb"], 3) if a.get("peak_rss_mb") and b.get("peak_rss_mb") else None
+    rows.append(memory)
+    return rows
+
+
+def markdown(summary: dict, ratio_rows: list[dict], meta: dict) -> str:
+    workloads = list(summary)
+    lines = [f"Produced by `{meta['command']}` at commit {meta['commit']} ({meta['rounds']} rounds, fresh processes).", "",
+             "| program | " + " | ".join(f"{w} step ms | {w} first step s | {w} fit returns s | {w} peak MB | {w} losses = one device"
+                                        for w in workloads) + " |",
+             "| --- |" + " --- | --- | --- | --- | --- |" * len(workloads)]
+    for program in PROGRAMS:
+        cells = []
+        for w in workloads:
+            row = summary[w].get(program)
+            if row is None:
+                cells += [""] * 5
+            elif "error" in row:
+                cells += [f"fails: {row['error'][:90]}", "", "", "", ""]
+            else:
+                agree = {True: "yes", False: f"no ({row['loss_rel_diff']:.1e})", None: "own init"}[row["losses_agree"]]
+                cells += [f"{row['step_ms']:.1f}", f"{row['first_step_s']:.1f}", f"{row['fit_return_s']:.2f}",
+                          f"{row['peak_rss_mb']:.0f}", agree]
+        lines.append(f"| {program} | " + " | ".join(cells) + " |")
+    lines += ["", "| ratio (step time) | goal | " + " | ".join(workloads) + " |", "| --- | --- |" + " --- |" * len(workloads)]
+    for row in ratio_rows:
+        cells = ["n/a" if row[w] is None else f"{row[w]:.2f}" for w in workloads]
+        lines.append(f"| {row['ratio']} | <= {row['goal']:.2f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(summary), figsize=(6 * len(summary), 4))
+    for ax, (workload, by_program) in zip(np.atleast_1d(axes), summary.items()):
+        names = [p for p in PROGRAMS if "step_ms" in by_program.get(p, {})]
+        ax.barh(names, [by_program[p]["step_ms"] for p in names], color=["C1" if p.startswith("tfdist") else "C0" for p in names])
+        ax.invert_yaxis()
+        ax.set_xlabel("median ms per training step")
+        ax.set_title(f"{workload} (8 virtual CPUs)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--workloads", default="W1,W2")
+    parser.add_argument("--programs", default=",".join(PROGRAMS))
+    parser.add_argument("--out", default=os.path.join(HERE, "results"))
+    args = parser.parse_args()
+    programs = args.programs.split(",")
+    workloads = args.workloads.split(",")
+    runs: dict = {w: {p: [] for p in programs} for w in workloads}
+    for r in range(args.rounds):
+        order = programs[r % len(programs):] + programs[:r % len(programs)]
+        for workload in workloads:
+            for program in order:
+                result = run_worker(program, workload)
+                runs[workload][program].append(result)
+                shown = f"{result['step_ms']:.1f} ms/step" if "step_ms" in result else result["error"][:100]
+                print(f"round {r + 1}/{args.rounds} {workload} {program:<22} {shown}", flush=True)
+    summary = summarize(runs)
+    ratio_rows = ratios(summary)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout.strip()
+    meta = {"command": "python benchmarks/compare.py " + " ".join(sys.argv[1:]), "commit": commit or "unknown",
+            "rounds": args.rounds, "workloads": {w: WORKLOADS[w] for w in workloads}, "machine_cpus": os.cpu_count()}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "compare.json"), "w") as f:
+        json.dump({"meta": meta, "summary": summary, "ratios": ratio_rows, "runs": runs}, f, indent=1)
+    table = markdown(summary, ratio_rows, meta)
+    with open(os.path.join(args.out, "compare.md"), "w") as f:
+        f.write(table)
+    plot(summary, os.path.join(args.out, "compare.png"))
+    print("\n" + table)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
+        worker(sys.argv[2], sys.argv[3])
+    else:
+        main()
