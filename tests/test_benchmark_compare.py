@@ -1,0 +1,51 @@
+"""benchmarks/compare.py's bookkeeping: medians over rounds, the loss check against one device,
+the goal ratios and the Markdown table -- on results written by hand (the benchmark itself is
+a command, not a test)."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import pytest
+
+PATH = pathlib.Path(__file__).parents[1] / "benchmarks" / "compare.py"
+spec = importlib.util.spec_from_file_location("compare", PATH)
+compare = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(compare)
+
+
+def _run(step_ms, losses, rss=100.0):
+    return {"step_ms": step_ms, "first_step_s": 2.0, "fit_return_s": 0.1, "peak_rss_mb": rss, "losses": losses}
+
+
+RUNS = {"W1": {
+    "one_device": [_run(10, [1.0, 0.9]), _run(12, [1.0, 0.9]), _run(11, [1.0, 0.9])],
+    "hand_written": [_run(20, [1.0, 0.9]), _run(22, [1.0, 0.9]), _run(30, [1.0, 0.9])],
+    "tfdist_parallelize": [_run(21, [1.0, 0.9001]), _run(23, [1.0, 0.9]), _run(24, [1.0, 0.9])],
+    "tfdist_data_parallel": [_run(40, [1.0, 0.95], rss=90), _run(40, [1.0, 0.95], rss=90)],
+    "mirrored": [_run(50, [1.0, 0.9], rss=120)],
+    "tf_keras_layout_map": [{"error": "ValueError: no", "peak_rss_mb": 80}],
+}}
+
+
+def test_medians_and_the_loss_check_against_one_device():
+    summary = compare.summarize(RUNS)["W1"]
+    assert summary["hand_written"]["step_ms"] == 22
+    assert summary["tfdist_parallelize"]["step_ms"] == 23
+    assert summary["tfdist_parallelize"]["losses_agree"] is True  # 1.1e-4 relative: within 1e-3
+    assert summary["tfdist_data_parallel"]["losses_agree"] is False  # 0.95 vs 0.9
+    assert summary["tfdist_data_parallel"]["loss_rel_diff"] == pytest.approx(0.05 / 0.9)
+    assert summary["tf_keras_layout_map"] == {"error": "ValueError: no", "peak_rss_mb": 80}
+
+
+def test_goal_ratios_and_table():
+    summary = compare.summarize(RUNS)
+    rows = {r["ratio"]: r for r in compare.ratios(summary)}
+    assert rows["tfdist parallelize_module fit 2x4 / hand-written TF DTensor 2x4"]["W1"] == pytest.approx(23 / 22, abs=1e-3)
+    assert rows["tfdist DataParallel fit 8 / MirroredStrategy fit 8"]["W1"] == pytest.approx(0.8)
+    assert rows["tfdist parallelize_module fit 2x4 / tf_keras LayoutMap fit 2x4"]["W1"] is None  # it failed
+    assert rows["peak memory: tfdist DataParallel / MirroredStrategy"]["W1"] == pytest.approx(0.75)
+    table = compare.markdown(summary, compare.ratios(summary), {"command": "c", "commit": "abc", "rounds": 3})
+    assert "| tf_keras_layout_map | fails: ValueError: no |" in table
+    assert "| tfdist_data_parallel | 40.0 | 2.0 | 0.10 | 90 | no (5.6e-02) |" in table
