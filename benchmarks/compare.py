@@ -280,6 +280,7 @@ def run_tf_keras_layout_map(w, x, y):
     weights = _keras_model(keras, w).get_weights() if w["kind"] == "mlp" else None
     mesh = dtensor.create_mesh([("batch", 2), ("model", 4)], devices=[f"CPU:{i}" for i in range(8)])
     layout_map = kdt.LayoutMap(mesh=mesh)
+    tf_keras.backend.experimental.enable_tf_random_generator()  # its DTensor API requires it
     tf_keras.utils.set_random_seed(0)
     if w["kind"] == "mlp":
         layout_map["up.kernel"] = dtensor.Layout([U, "model"], mesh)
