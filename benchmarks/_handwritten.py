@@ -1,5 +1,6 @@
-"""The benchmark models written by hand in raw ``tf.experimental.dtensor``: the baseline tfdist
-is measured against.  No tfdist code runs inside these programs.
+"""The benchmark baselines, written without tfdist: the models by hand in raw
+``tf.experimental.dtensor``, and the GPT in tf_keras layers under a tf_keras layout map.
+No tfdist code runs inside these programs.
 
 Each builder takes the one-device Keras model (for its initial weights) and a TF mesh (or
 ``None`` for plain variables on one device) and returns ``(weights, forward)``: a dict of
@@ -129,3 +130,31 @@ def adam(weights: dict, lr: float, beta_1: float = 0.9, beta_2: float = 0.999, e
             weights[n].assign_sub(m_new * alpha / (tf.sqrt(v_new) + epsilon))
 
     return apply
+
+
+def tf_keras_gpt(mesh, axis: str, vocab: int, seq: int, dim: int, heads: int, depth: int):
+    """The GPT in tf_keras (Keras 2) layers under a tf_keras DTensor ``LayoutMap`` sharding
+    ``axis`` as in the plan: the other baseline (its own initial weights)."""
+    import tf_keras
+    from tf_keras.dtensor import experimental as kdt
+
+    layout_map = kdt.LayoutMap(mesh=mesh)
+    layout_map[".*embeddings"] = dtensor.Layout([axis, U], mesh)
+    for proj in ("query", "key", "value"):
+        layout_map[f".*{proj}/kernel"] = dtensor.Layout([U, axis, U], mesh)
+    layout_map[".*attention_output/kernel"] = dtensor.Layout([axis, U, U], mesh)
+    layout_map[".*mlp_up.*/kernel"] = dtensor.Layout([U, axis], mesh)
+    layout_map[".*mlp_down.*/kernel"] = dtensor.Layout([axis, U], mesh)
+    layout_map[".*lm_head/kernel"] = dtensor.Layout([U, axis], mesh)
+    with layout_map.scope():
+        inputs = tf_keras.Input((seq,), dtype="int32")
+        h = tf_keras.layers.Embedding(vocab, dim)(inputs)
+        for i in range(depth):
+            a = tf_keras.layers.LayerNormalization(epsilon=1e-5)(h)
+            h = h + tf_keras.layers.MultiHeadAttention(heads, dim // heads)(a, a, use_causal_mask=True)
+            m = tf_keras.layers.LayerNormalization(epsilon=1e-5)(h)
+            up = tf_keras.layers.Dense(4 * dim, activation="gelu", name=f"mlp_up_{i}")(m)
+            h = h + tf_keras.layers.Dense(dim, name=f"mlp_down_{i}")(up)
+        logits = tf_keras.layers.Dense(vocab, use_bias=False, name="lm_head")(
+            tf_keras.layers.LayerNormalization(epsilon=1e-5)(h))
+        return tf_keras.Model(inputs, logits)

@@ -276,6 +276,8 @@ def run_tf_keras_layout_map(w, x, y):
     from tensorflow.experimental import dtensor
     from tf_keras.dtensor import experimental as kdt
 
+    import _handwritten
+
     U = dtensor.UNSHARDED
     weights = _keras_model(keras, w).get_weights() if w["kind"] == "mlp" else None
     mesh = dtensor.create_mesh([("batch", 2), ("model", 4)], devices=[f"CPU:{i}" for i in range(8)])
@@ -292,26 +294,8 @@ def run_tf_keras_layout_map(w, x, y):
             model = tf_keras.Model(inp, tf_keras.layers.Dense(w["dim"], name="down")(h))
         model.set_weights(weights)
         loss = "mse"
-    else:  # the GPT in tf_keras layers, layouts as in the plan (its own initial weights)
-        layout_map[".*embeddings"] = dtensor.Layout(["model", U], mesh)
-        for proj in ("query", "key", "value"):
-            layout_map[f".*{proj}/kernel"] = dtensor.Layout([U, "model", U], mesh)
-        layout_map[".*attention_output/kernel"] = dtensor.Layout(["model", U, U], mesh)
-        layout_map[".*up.*/kernel"] = dtensor.Layout([U, "model"], mesh)
-        layout_map[".*down.*/kernel"] = dtensor.Layout(["model", U], mesh)
-        layout_map[".*head/kernel"] = dtensor.Layout([U, "model"], mesh)
-        with layout_map.scope():
-            inputs = tf_keras.Input((w["seq"],), dtype="int32")
-            h = tf_keras.layers.Embedding(w["vocab"], w["dim"])(inputs)
-            for i in range(w["depth"]):
-                a = tf_keras.layers.LayerNormalization(epsilon=1e-5)(h)
-                h = h + tf_keras.layers.MultiHeadAttention(w["heads"], w["dim"] // w["heads"])(a, a, use_causal_mask=True)
-                m = tf_keras.layers.LayerNormalization(epsilon=1e-5)(h)
-                up = tf_keras.layers.Dense(4 * w["dim"], activation="gelu", name=f"up{i}")(m)
-                h = h + tf_keras.layers.Dense(w["dim"], name=f"down{i}")(up)
-            logits = tf_keras.layers.Dense(w["vocab"], use_bias=False, name="head")(
-                tf_keras.layers.LayerNormalization(epsilon=1e-5)(h))
-            model = tf_keras.Model(inputs, logits)
+    else:
+        model = _handwritten.tf_keras_gpt(mesh, "model", w["vocab"], w["seq"], w["dim"], w["heads"], w["depth"])
         loss = tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     model.compile(optimizer=kdt.optimizers.Adam(w["lr"], mesh=mesh), loss=loss)
     layout = lambda rank: dtensor.Layout(["batch"] + [U] * (rank - 1), mesh)  # noqa: E731

@@ -90,31 +90,12 @@ def tf_keras_step_fn(x, y):
     """tf_keras (Keras 2) with DTensor layout maps on the same architecture; returns (fn, error)."""
     try:
         import tf_keras
-        from tf_keras.dtensor import experimental as kdt
 
         tf_keras.backend.experimental.enable_tf_random_generator()
         tf_keras.utils.set_random_seed(0)
 
         tf_mesh = dtensor.create_mesh([("dp", 2), ("tp", 4)], device_type="CPU")
-        layout_map = kdt.LayoutMap(mesh=tf_mesh)
-        layout_map[".*embeddings"] = dtensor.Layout(["tp", U], tf_mesh)
-        for proj in ("query", "key", "value"):
-            layout_map[f".*{proj}/kernel"] = dtensor.Layout([U, "tp", U], tf_mesh)
-        layout_map[".*attention_output/kernel"] = dtensor.Layout(["tp", U, U], tf_mesh)
-        layout_map[".*mlp_up.*/kernel"] = dtensor.Layout([U, "tp"], tf_mesh)
-        layout_map[".*mlp_down.*/kernel"] = dtensor.Layout(["tp", U], tf_mesh)
-        layout_map[".*lm_head/kernel"] = dtensor.Layout([U, "tp"], tf_mesh)
-        with layout_map.scope():
-            inputs = tf_keras.Input((SEQ,), dtype="int32")
-            h = tf_keras.layers.Embedding(VOCAB, DIM)(inputs)
-            for _ in range(DEPTH):
-                a = tf_keras.layers.LayerNormalization(epsilon=1e-5)(h)
-                h = h + tf_keras.layers.MultiHeadAttention(HEADS, DIM // HEADS)(a, a, use_causal_mask=True)
-                m = tf_keras.layers.LayerNormalization(epsilon=1e-5)(h)
-                up = tf_keras.layers.Dense(4 * DIM, activation="gelu", name=f"mlp_up_{_}")(m)
-                h = h + tf_keras.layers.Dense(DIM, name=f"mlp_down_{_}")(up)
-            logits = tf_keras.layers.Dense(VOCAB, name="lm_head")(tf_keras.layers.LayerNormalization(epsilon=1e-5)(h))
-            model = tf_keras.Model(inputs, logits)
+        model = _handwritten.tf_keras_gpt(tf_mesh, "tp", VOCAB, SEQ, DIM, HEADS, DEPTH)
         model.compile(optimizer=tf_keras.dtensor.experimental.optimizers.SGD(LR, mesh=tf_mesh),
                       loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
