@@ -201,7 +201,7 @@ def run_hand_written(w, x, y):
     return clock.report(time.perf_counter(), running_mean=False)
 
 
-def _gpt_layout_map(mesh):
+def _gpt_layout_map():
     """The GPT plan as keras.distribution LayoutMap keys (variable paths of a fresh process)."""
     rules = {
         "gpt/embedding/embeddings": ("model", None),
@@ -238,7 +238,7 @@ def run_tfdist_layout_map(w, x, y):
         mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"])
         layout_map = keras.distribution.LayoutMap(mesh)
         rules = ({".*/up/kernel": (None, "model"), ".*/up/bias": ("model",), ".*/down/kernel": ("model", None)}
-                 if w["kind"] == "mlp" else _gpt_layout_map(mesh))
+                 if w["kind"] == "mlp" else _gpt_layout_map())
         for key, axes in rules.items():
             layout_map[key] = axes
         return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
