@@ -38,3 +38,83 @@ def test_a_batch_that_does_not_split_is_replicated():
     out = _data.shard_batch(tf.constant(x), mesh, 0)
     assert dtensor.fetch_layout(out).is_fully_replicated()
     np.testing.assert_array_equal(_data.gather_to_numpy(out), x)
+
+
+def _batches(*sizes, width=3):
+    """A tf.data dataset of batches of the given sizes, rows numbered 0, 1, 2, ... (x) and x * 10 (y)."""
+    rows = np.arange(sum(sizes) * width, dtype=np.float32).reshape(-1, width)
+    ends = np.cumsum(sizes)
+    xs = [rows[e - s:e] for s, e in zip(sizes, ends)]
+    ds = tf.data.Dataset.from_generator(lambda: ((x, x * 10) for x in xs),
+                                        output_signature=(tf.TensorSpec((None, width), tf.float32),) * 2)
+    return ds, xs
+
+
+def test_the_feed_splits_in_tf_data_and_places_by_coordinate(monkeypatch):
+    mesh = tfdist.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+    ds, xs = _batches(16, 8, 5)
+    source = iter(ds)
+    packed = []
+    pack = dtensor.pack
+    monkeypatch.setattr(_data.dtensor, "pack", lambda blocks, layout: packed.append(list(blocks)) or pack(blocks, layout))
+    feed = _data.BatchFeed(source, mesh, 0, fresh=True)
+    assert feed.taken_over
+    got = list(feed)
+    assert [even for _, even in got] == [True, True, False]  # 5 rows do not split over dp=2
+    for (x, y), even_rows in zip((b for b, _ in got[:2]), xs[:2]):
+        for t, want in ((x, even_rows), (y, even_rows * 10)):
+            want_pieces = np.split(want, 2)
+            for block, coord in zip(dtensor.unpack(t), mesh.local_coordinates()):
+                np.testing.assert_array_equal(block.numpy(), want_pieces[coord[0]])
+    assert all(len(blocks) == 8 and len({id(b) for b in blocks}) == 2 for blocks in packed[:4])
+    x, y = got[2][0]  # the partial batch: whole, replicated, no padding row
+    assert dtensor.fetch_layout(x).is_fully_replicated()
+    np.testing.assert_array_equal(_data.gather_to_numpy(x), xs[2])
+    np.testing.assert_array_equal(_data.gather_to_numpy(y), xs[2] * 10)
+    assert len(list(source)) == 3  # Keras' own iterator (and its autotuner) never advanced
+
+
+def test_the_feed_leaves_iterators_it_cannot_extend_alone():
+    mesh = tfdist.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+    ds, xs = _batches(8, 8)
+    started = iter(ds)
+    next(started)  # already advanced: its dataset would replay the first batch
+    feed = _data.BatchFeed(started, mesh, 0, fresh=False)
+    assert not feed.taken_over
+    ((x, _), even), = list(feed)
+    assert even
+    np.testing.assert_array_equal(_data.gather_to_numpy(x), xs[1])
+    ragged = tf.data.Dataset.from_tensor_slices(tf.ragged.constant([[1], [2, 3]])).batch(2)
+    assert not _data.BatchFeed(iter(ragged), mesh, 0, fresh=True).taken_over
+    assert not _data.BatchFeed(iter(ds), mesh, None, fresh=True).taken_over  # no batch dim: replicated
+
+
+def test_the_feed_runs_without_the_tf_data_autotuner():
+    mesh = tfdist.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+    ds, _ = _batches(8)
+    feed = _data.BatchFeed(iter(ds), mesh, 0, fresh=True)
+    assert feed._iterator._dataset.options().autotune.enabled is False
+
+
+def test_fit_and_evaluate_feed_every_epoch_through_tf_data(monkeypatch):
+    import keras
+
+    from keras_helpers import make_mlp
+
+    feeds = []
+    init = _data.BatchFeed.__init__
+
+    def spy(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        feeds.append(self)
+
+    monkeypatch.setattr(_data.BatchFeed, "__init__", spy)
+    keras.distribution.set_distribution(keras.distribution.DataParallel())
+    try:
+        model = make_mlp()
+        model.compile(optimizer="sgd", loss="mse")
+        x = np.ones((40, 16), np.float32)
+        model.fit(x, x[:, :8], batch_size=16, epochs=2, validation_data=(x, x[:, :8]), verbose=0)
+    finally:
+        keras.distribution.set_distribution(None)
+    assert len(feeds) == 4 and all(f.taken_over for f in feeds)  # 2 epochs x (train, validation)

@@ -225,3 +225,19 @@ def test_steps_per_execution_gives_one_devices_losses(steps):
     assert model.optimizer.iterations.numpy() == 12
     np.testing.assert_allclose(hist.history["loss"], ref_hist.history["loss"], rtol=1e-5)
     assert max_weight_diff(ref, model) < 1e-5
+
+
+def test_steps_per_epoch_over_a_repeated_dataset_continues_the_stream_across_epochs():
+    """Keras keeps one iterator across epochs when steps_per_epoch is set; the feed must too,
+    or batches would be skipped or replayed (reference: the same fit on one device)."""
+    def data():  # 6 distinct batches; 3 epochs of 2 steps walk through them once
+        return tf.data.Dataset.from_tensor_slices((X[:48], Y[:48])).batch(8).repeat()
+
+    keras.distribution.set_distribution(None)
+    ref = compile_(make_mlp())
+    ref_hist = ref.fit(data(), steps_per_epoch=2, epochs=3, verbose=0)
+    keras.distribution.set_distribution(model_parallel())
+    model = compile_(make_mlp())
+    hist = model.fit(data(), steps_per_epoch=2, epochs=3, verbose=0)
+    np.testing.assert_allclose(hist.history["loss"], ref_hist.history["loss"], rtol=1e-5)
+    assert max_weight_diff(ref, model) < 1e-5

@@ -9,11 +9,16 @@ replicated.  A batch whose size is not divisible by the data-parallel size
 instead: every data-parallel replica computes it whole, so its loss,
 metrics and gradients are exactly one device's (padding would change
 Keras' ``sum_over_batch_size`` mean).  Only that batch pays the redundancy.
+
+``BatchFeed`` is how ``fit``/``evaluate`` feed a distributed model: it takes over the
+``tf.data`` dataset behind Keras' epoch iterator and appends one stage that splits each
+batch into its data-parallel pieces (in tf.data's threads, ahead of the step) and a
+prefetch; the step loop then only packs the ready pieces onto the mesh.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import tensorflow as tf
@@ -22,7 +27,7 @@ from tensorflow.experimental import dtensor
 from tfdist.device_mesh import DeviceMesh
 from tfdist.tensor._redistribute import relayout
 
-__all__ = ["shard_batch", "splits_evenly", "gather_to_numpy"]
+__all__ = ["shard_batch", "splits_evenly", "gather_to_numpy", "BatchFeed"]
 
 
 def _pack(t: tf.Tensor, mesh: DeviceMesh, batch_axis: int | None) -> tf.Tensor:
@@ -34,11 +39,17 @@ def _pack(t: tf.Tensor, mesh: DeviceMesh, batch_axis: int | None) -> tf.Tensor:
     n = t.shape[0]
     if n % k:  # a partial batch: every data-parallel replica takes it whole (see splits_evenly)
         return dtensor.copy_to_mesh(t, dtensor.Layout.replicated(tf_mesh, rank))
-    # one split into the k data-parallel pieces; devices that share a batch coordinate (the tp devices
-    # of a 2x4 mesh) receive the same piece, so a 2x4 mesh slices each tensor twice, not eight times
-    pieces = tf.split(t, k)
+    return _pack_pieces(tf.split(t, k), mesh, batch_axis)
+
+
+def _pack_pieces(pieces, mesh: DeviceMesh, batch_axis: int) -> tf.Tensor:
+    """The batch's k data-parallel pieces as one DTensor sharded on its first dim.
+
+    Devices that share a batch coordinate (the tp devices of a 2x4 mesh) receive the same
+    piece, so a 2x4 mesh slices each tensor twice, not eight times."""
     blocks = [pieces[coord[batch_axis]] for coord in mesh.local_coordinates()]
-    layout = dtensor.Layout([mesh.axis_names[batch_axis]] + [dtensor.UNSHARDED] * (rank - 1), tf_mesh)
+    rank = pieces[0].shape.rank
+    layout = dtensor.Layout([mesh.axis_names[batch_axis]] + [dtensor.UNSHARDED] * (rank - 1), mesh.to_tf())
     return dtensor.pack(blocks, layout)
 
 
@@ -78,3 +89,99 @@ def gather_to_numpy(t: Any) -> Any:
     if not layout.is_fully_replicated():
         t = relayout(t, dtensor.Layout.replicated(layout.mesh, t.shape.rank), layout)
     return dtensor.unpack(t)[0].numpy()
+
+
+# ----------------------------------------------------------------------------- the prefetching feed
+
+PREFETCH = 2  # batches split and waiting ahead of the step
+
+
+def _takes_over(iterator) -> bool:
+    """Whether ``iterator`` is a ``tf.data`` iterator over plain dense tensors, whose dataset the
+    feed can extend.  Anything else is fed batch by batch."""
+    dataset = getattr(iterator, "_dataset", None)
+    if not isinstance(dataset, tf.data.Dataset):
+        return False
+    return all(isinstance(spec, tf.TensorSpec) and spec.shape.rank is not None and spec.dtype != tf.string
+               for spec in tf.nest.flatten(dataset.element_spec))
+
+
+def _split_stage(k: int):
+    """tf.data map: each batched leaf -> (its batch size, its k pieces).  A batch that does not
+    split evenly (an epoch's last) is zero-padded up to a multiple of k here and cut back to its
+    size when it is placed, replicated; the even batches pay nothing for that."""
+
+    def split(*element):
+        out = []
+        for leaf in tf.nest.flatten(element):
+            if leaf.shape.rank == 0:
+                out.append((leaf,))
+                continue
+            n = tf.shape(leaf)[0]
+            pad = (k - n % k) % k
+            padded = tf.pad(leaf, [[0, pad]] + [[0, 0]] * (leaf.shape.rank - 1))
+            out.append((n, *tf.split(padded, k)))
+        return tuple(out)
+
+    return split
+
+
+class BatchFeed:
+    """Sharded batches for one Keras epoch iterator, split ahead of the step in ``tf.data``.
+
+    When ``iterator`` is a ``tf.data`` iterator nothing has advanced yet (``fresh``: what Keras'
+    ``fit``/``evaluate`` pass the step function the first time they pass it),
+    the feed builds its own iterator over the same dataset plus two stages: a map that
+    splits every batched tensor into its data-parallel pieces (``tf.split``, one per tensor,
+    run by tf.data's threads while the previous step computes) and ``prefetch(PREFETCH)``.
+    The step loop only packs the ready pieces onto the mesh (``dtensor.pack``, no copy on a
+    host mesh).  Keras' own iterator is never advanced, so its tf.data autotuner never
+    starts; the feed's iterator runs without the autotuner, whose thread TF joins when the
+    iterator is deleted -- 0.4-24 s at the end of every epoch on a busy host (measured in
+    docs/performance.md).  Other iterators are fed as before, split on the main thread.
+
+    Example::
+
+        feed = BatchFeed(iter(dataset), mesh, batch_axis=0, fresh=True)
+        sharded, even = next(feed)
+
+    An iterator that was advanced must be passed with ``fresh=False``: its dataset would
+    replay the batches already taken (``OwnedIterator`` counts its ``next`` calls only in
+    graph mode, so the feed cannot tell by itself).
+    """
+
+    def __init__(self, iterator, mesh: DeviceMesh, batch_axis: int | None, fresh: bool) -> None:
+        self.mesh, self.batch_axis = mesh, batch_axis
+        self.source = iterator
+        self.taken_over = fresh and batch_axis is not None and _takes_over(iterator)
+        if self.taken_over:
+            dataset = iterator._dataset
+            self._spec = dataset.element_spec
+            options = tf.data.Options()
+            options.autotune.enabled = False
+            staged = dataset.map(_split_stage(mesh.shape[batch_axis])).prefetch(PREFETCH).with_options(options)
+            self._iterator: Iterator = iter(staged)
+        else:
+            self._iterator = iterator
+
+    def __iter__(self) -> "BatchFeed":
+        return self
+
+    def __next__(self) -> tuple[Any, bool]:
+        """(the next batch as sharded DTensors, whether it split evenly over the batch dim)."""
+        element = next(self._iterator)
+        if not self.taken_over:
+            even = splits_evenly(element, self.mesh, self.batch_axis)
+            return shard_batch(element, self.mesh, self.batch_axis), even
+        sizes = [int(leaf[0]) for leaf in element if len(leaf) > 1]
+        k = self.mesh.shape[self.batch_axis]
+        even = all(n % k == 0 for n in sizes)
+        return tf.nest.pack_sequence_as(self._spec, [self._place(leaf, even) for leaf in element]), even
+
+    def _place(self, leaf: tuple, even: bool) -> tf.Tensor:
+        if len(leaf) == 1:  # a scalar: replicated
+            return _pack(leaf[0], self.mesh, None)
+        n, pieces = int(leaf[0]), leaf[1:]
+        if even:
+            return _pack_pieces(pieces, self.mesh, self.batch_axis)
+        return _pack(tf.concat(pieces, 0)[:n], self.mesh, None)  # the epoch's partial batch, whole

@@ -2,10 +2,11 @@
 
 Keras' TF trainer pulls batches inside a ``tf.function`` (``IteratorGetNext``),
 which TF DTensor cannot lay out (tf_keras fails the same way unless fed a
-``DTensorDataset``).  For distributed models tfdist iterates the epoch's
-``tf.data`` iterator eagerly -- so numpy arrays, ``tf.data.Dataset``s and
-Python generators all work -- shards each batch with ``shard_batch`` and runs
-only the step itself as a ``tf.function``.  Everything else of Keras' loop
+``DTensorDataset``).  For distributed models tfdist feeds the epoch's ``tf.data``
+pipeline through ``_data.BatchFeed`` -- so numpy arrays, ``tf.data.Dataset``s and
+Python generators all work: tf.data splits each batch by data-parallel coordinate
+ahead of the step, the loop packs the pieces onto the mesh and runs only the step
+itself as a ``tf.function``.  Everything else of Keras' loop
 (callbacks, progress bar, History, validation, class/sample weights) is
 unchanged.
 """
@@ -13,6 +14,7 @@ unchanged.
 from __future__ import annotations
 
 import re
+import weakref
 
 import keras
 import numpy as np
@@ -122,11 +124,16 @@ def _by_batch_split(step_function, run_eagerly: bool, mesh, batch_axis):
     even = step_function if run_eagerly else tf.function(step_function, reduce_retracing=True)
     partial = step_function if run_eagerly else tf.function(step_function)
 
-    def step(data):
-        if _data.splits_evenly(data, mesh, batch_axis):
-            return even(_data.shard_batch(data, mesh, batch_axis))
+    def step(data, splits_evenly=None):
+        """One step on ``data``: host batches, or batches ``BatchFeed`` placed (then pass
+        ``splits_evenly``, which it reports)."""
+        if splits_evenly is None:
+            splits_evenly = _data.splits_evenly(data, mesh, batch_axis)
+            data = _data.shard_batch(data, mesh, batch_axis)
+        if splits_evenly:
+            return even(data)
         with replicated_batch():
-            return partial(_data.shard_batch(data, mesh, batch_axis))
+            return partial(data)
 
     step.traced = (even, partial)  # the step programs, for inspection (tests compare their graphs)
     return step
@@ -147,16 +154,27 @@ def install() -> None:
         check_layout_map(self)
         mesh, batch_axis = mesh_of(self)
         one_step = _by_batch_split(step_function, self.run_eagerly, mesh, batch_axis)
+        feeds = {}  # the feed of the epoch iterator Keras passes (one, reused while Keras reuses it)
 
         def function(iterator):
+            source = feeds.get("source")
+            if source is None or source() is not iterator:
+                feeds.clear()  # the previous epoch's feed and its dataset go now
+                # Keras passes each epoch iterator here unadvanced the first time (TFEpochIterator
+                # only hands it on; _maybe_symbolic_build pulls a batch only under a tf.distribute
+                # strategy and then resets the iterators), so the feed may take its dataset over
+                feed = _data.BatchFeed(iterator, mesh, batch_axis, fresh=True)
+                feeds.update(source=weakref.ref(iterator), feed=feed)
             outputs = None
-            for _, data in zip(range(self.steps_per_execution), iterator):
-                outputs = one_step(data)
+            for _, (data, even) in zip(range(self.steps_per_execution), feeds["feed"]):
+                outputs = one_step(data, even)
             if outputs is None:
+                feeds.clear()
                 raise StopIteration
             return outputs
 
         function.one_step = one_step
+        function.feeds = feeds
         return function
 
     def make_predict_function(self, force=False):
