@@ -14,8 +14,10 @@ order rotated by r), on 8 virtual CPUs:
 - ``one_device``: Keras 3 ``fit`` on one device;
 - ``hand_written``: the same model, loss and Adam written by hand in raw TF DTensor on a 2x4
   (dp x tp) mesh, Megatron layouts, batches packed by dp coordinate; a Python loop of steps;
+- ``hand_written_dp``: the same by hand in raw TF DTensor, data parallel on a 1-D mesh of 8
+  (replicated weights and Adam, batch sharded): what TF DTensor itself costs for data parallel;
 - ``tfdist_parallelize``: Keras 3 ``fit`` after ``parallelize_module`` (W2:
-  ``parallelize_gpt``) on 2x4;
+  ``parallelize_gpt(..., loss_parallel=True)``, vocabulary-sharded logits) on 2x4;
 - ``tfdist_layout_map``: Keras 3 ``fit`` under ``keras.distribution.ModelParallel`` with a
   ``LayoutMap`` on 2x4 (tfdist makes it work on TensorFlow);
 - ``tfdist_data_parallel``: Keras 3 ``fit`` under ``keras.distribution.DataParallel`` on 8;
@@ -43,8 +45,8 @@ import time
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PROGRAMS = ["one_device", "hand_written", "tfdist_parallelize", "tfdist_layout_map", "tfdist_data_parallel",
-            "tf_keras_layout_map", "mirrored"]
+PROGRAMS = ["one_device", "hand_written", "hand_written_dp", "tfdist_parallelize", "tfdist_layout_map",
+            "tfdist_data_parallel", "tf_keras_layout_map", "mirrored"]
 WORKLOADS = {
     "W1": dict(kind="mlp", dim=1024, hidden=1024, batch=64, steps=40, warmup=10, lr=1e-3),
     "W2": dict(kind="gpt", vocab=256, seq=64, dim=128, heads=8, depth=2, batch=16, steps=30, warmup=10, lr=1e-3),
@@ -57,6 +59,7 @@ RATIOS = [
     ("tfdist parallelize_module fit 2x4 / tf_keras LayoutMap fit 2x4", "tfdist_parallelize", "tf_keras_layout_map", 0.90),
     ("tfdist LayoutMap fit 2x4 / tf_keras LayoutMap fit 2x4", "tfdist_layout_map", "tf_keras_layout_map", 0.90),
     ("tfdist DataParallel fit 8 / MirroredStrategy fit 8", "tfdist_data_parallel", "mirrored", 1.00),
+    ("tfdist DataParallel fit 8 / hand-written TF DTensor data parallel 8", "tfdist_data_parallel", "hand_written_dp", 1.02),
 ]
 
 
@@ -164,7 +167,11 @@ def run_mirrored(w, x, y):
         return _fit(keras, model, w, x, y)
 
 
-def run_hand_written(w, x, y):
+def run_hand_written_dp(w, x, y):
+    return run_hand_written(w, x, y, shape=(8, 1))
+
+
+def run_hand_written(w, x, y, shape=(2, 4)):
     import keras
     import tensorflow as tf
     from tensorflow.experimental import dtensor
@@ -172,7 +179,7 @@ def run_hand_written(w, x, y):
     import _handwritten
 
     reference = _keras_model(keras, w)
-    mesh = dtensor.create_mesh([("dp", 2), ("tp", 4)], devices=[f"CPU:{i}" for i in range(8)])
+    mesh = dtensor.create_mesh([("dp", shape[0]), ("tp", shape[1])], devices=[f"CPU:{i}" for i in range(8)])
     if w["kind"] == "mlp":
         weights, forward = _handwritten.mlp(reference, mesh)
         loss_of = lambda out, target: tf.reduce_mean(tf.square(out - target))  # noqa: E731
@@ -189,10 +196,10 @@ def run_hand_written(w, x, y):
         update(dict(zip(names, tape.gradient(loss, [weights[n] for n in names]))))
         return loss
 
-    def place(batch):  # one split into the dp pieces; the 4 tp devices of a dp row share one
-        pieces = tf.split(tf.constant(batch), 2)
+    def place(batch):  # one split into the dp pieces; the tp devices of a dp row share one
+        pieces = tf.split(tf.constant(batch), shape[0])
         layout = dtensor.Layout(["dp"] + [dtensor.UNSHARDED] * (batch.ndim - 1), mesh)
-        return dtensor.pack([pieces[i // 4] for i in range(8)], layout)
+        return dtensor.pack([pieces[i // shape[1]] for i in range(8)], layout)
 
     clock = _Clock(w)
     b = w["batch"]
@@ -264,8 +271,8 @@ def run_tfdist_parallelize(w, x, y):
     model = _keras_model(keras, w)
     if w["kind"] == "mlp":
         parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
-    else:
-        parallelize_gpt(model, mesh)
+    else:  # logits stay vocabulary-sharded; tfdist's fit computes the loss on them (loss_parallel)
+        parallelize_gpt(model, mesh, loss_parallel=True)
     return _fit(keras, model, w, x, y)
 
 

@@ -147,3 +147,30 @@ def test_out_of_range_label_in_fit_is_not_silent():
         assert np.isnan(losses).all()
         after = model.evaluate(ids, nxt, batch_size=8, verbose=0)  # the process still runs steps
     assert np.isnan(after)  # the weights took the NaN gradient, as TF's GPU kernel would
+
+
+def test_fit_computes_the_loss_on_sharded_logits_without_a_loss_parallel_block():
+    """tfdist's fit runs its steps inside loss_parallel(): a model whose logits stay
+    vocabulary-sharded trains as one device without the user's ``with`` block."""
+    from keras_helpers import DenseAdam, max_weight_diff
+    from tfdist.models import GPT, parallelize_gpt
+
+    ids, nxt = RNG.integers(0, 32, (32, 8)), RNG.integers(0, 32, (32, 8))
+
+    def make():
+        keras.utils.set_random_seed(0)
+        model = GPT(32, 8, dim=16, heads=4, depth=1)
+        model(ids[:1])
+        return model
+
+    def train(model):
+        model.compile(optimizer=DenseAdam(1e-2), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model.fit(ids, nxt, batch_size=8, shuffle=False, verbose=0).history["loss"]
+
+    ref = make()
+    want = train(ref)
+    mesh = tfdist.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+    model = parallelize_gpt(make(), mesh, loss_parallel=True)
+    got = train(model)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert max_weight_diff(ref, model) < 1e-5

@@ -24,6 +24,7 @@ from tfdist import _patches
 from tfdist.device_mesh import DeviceMesh
 from tfdist.keras import _data, _variables
 from tfdist.keras._backend import tfdist_mesh
+from tfdist.tensor.parallel.loss import loss_parallel
 from tfdist.tensor.parallel.style import replicated_batch
 
 __all__ = ["install", "mesh_of", "check_layout_map"]
@@ -113,6 +114,19 @@ def _explain_stranded(model, function):
     return run
 
 
+def _loss_parallel(function):
+    """``function`` traced (and run) inside ``loss_parallel()``: a sparse cross-entropy on
+    class-sharded logits then never gathers them (``gpt_tp_plan``'s default), and on any other
+    layout it is the same exact value; other losses are untouched."""
+
+    def run(*args):
+        with loss_parallel():
+            return function(*args)
+
+    run.__wrapped__ = function
+    return run
+
+
 def _by_batch_split(step_function, run_eagerly: bool, mesh, batch_axis):
     """``step_function`` on sharded batches; a batch that does not split evenly over the
     data-parallel dim runs replicated (``replicated_batch``) in its own traced function.
@@ -121,8 +135,9 @@ def _by_batch_split(step_function, run_eagerly: bool, mesh, batch_axis):
     ones keep a static size, so a partial batch never meets a program traced for
     sharded batches.
     """
-    even = step_function if run_eagerly else tf.function(step_function, reduce_retracing=True)
-    partial = step_function if run_eagerly else tf.function(step_function)
+    traced = (step_function if run_eagerly else tf.function(step_function, reduce_retracing=True),
+              step_function if run_eagerly else tf.function(step_function))
+    even, partial = (_loss_parallel(f) for f in traced)
 
     def step(data, splits_evenly=None):
         """One step on ``data``: host batches, or batches ``BatchFeed`` placed (then pass
@@ -135,7 +150,7 @@ def _by_batch_split(step_function, run_eagerly: bool, mesh, batch_axis):
         with replicated_batch():
             return partial(data)
 
-    step.traced = (even, partial)  # the step programs, for inspection (tests compare their graphs)
+    step.traced = traced  # the step programs, for inspection (tests compare their graphs)
     return step
 
 

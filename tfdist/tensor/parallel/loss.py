@@ -19,6 +19,7 @@ gradients equal the unsharded loss.
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Iterator
 
 import tensorflow as tf
@@ -76,6 +77,9 @@ def _tf_ce(original, labels=None, logits=None, name=None):
     return sharded_cross_entropy(tf.convert_to_tensor(labels), tf.convert_to_tensor(logits))
 
 
+_active = threading.local()  # whether this thread is inside loss_parallel()
+
+
 @contextlib.contextmanager
 def loss_parallel() -> Iterator[None]:
     """Computes sparse cross-entropy on class-sharded logits without a gather.
@@ -91,7 +95,12 @@ def loss_parallel() -> Iterator[None]:
                           loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
             model.fit(x, y, batch_size=16)
     """
+    if getattr(_active, "on", False):  # nested (fit inside the user's block): already in force
+        yield
+        return
     with contextlib.ExitStack() as stack:
+        _active.on = True
+        stack.callback(setattr, _active, "on", False)
         stack.enter_context(_patches.scoped("tensorflow.nn:sparse_softmax_cross_entropy_with_logits", _tf_ce))
         for modules in loaded_backends():
             stack.enter_context(modules.sharded_loss_scope(sharded_cross_entropy))
