@@ -150,8 +150,8 @@ def test_out_of_range_label_in_fit_is_not_silent():
 
 
 def test_fit_computes_the_loss_on_sharded_logits_without_a_loss_parallel_block():
-    """tfdist's fit runs its steps inside loss_parallel(): a model whose logits stay
-    vocabulary-sharded trains as one device without the user's ``with`` block."""
+    """gpt_tp_plan's default leaves the logits vocabulary-sharded and marks the model, so tfdist's
+    fit runs its steps inside loss_parallel(): it trains as one device without a ``with`` block."""
     from keras_helpers import DenseAdam, max_weight_diff
     from tfdist.models import GPT, parallelize_gpt
 
@@ -170,7 +170,8 @@ def test_fit_computes_the_loss_on_sharded_logits_without_a_loss_parallel_block()
     ref = make()
     want = train(ref)
     mesh = tfdist.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
-    model = parallelize_gpt(make(), mesh, loss_parallel=True)
+    model = parallelize_gpt(make(), mesh)
+    assert model._tfdist_loss_parallel
     got = train(model)
     np.testing.assert_allclose(got, want, rtol=1e-5)
     assert max_weight_diff(ref, model) < 1e-5

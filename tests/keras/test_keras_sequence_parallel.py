@@ -19,7 +19,7 @@ from tfdist.keras._data import gather_to_numpy, shard_batch
 from tfdist.models import GPT, parallelize_gpt
 from tfdist.tensor import Shard
 from tfdist.tensor.debug import CommDebugMode
-from tfdist.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+from tfdist.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, loss_parallel, parallelize_module
 
 RNG = np.random.default_rng(3)
 X = RNG.standard_normal((8, 8, 16))
@@ -137,7 +137,8 @@ def test_gpt_sp_plan_equals_one_device_in_float64():
     mesh = tfdist.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
     model = parallelize_gpt(make_gpt(), mesh, sequence_parallel=True)
     ids, labels = (shard_batch(tf.constant(a), mesh, 0) for a in (IDS, NEXT))
-    logits, loss, grads = tf.function(lambda a, b: logits_loss_grads(model, a, b))(ids, labels)
+    with loss_parallel():  # vocabulary-sharded float64 logits: TF DTensor's own kernel gives 0
+        logits, loss, grads = tf.function(lambda a, b: logits_loss_grads(model, a, b))(ids, labels)
     np.testing.assert_allclose(gather_to_numpy(logits), r_logits.numpy(), atol=1e-9)
     np.testing.assert_allclose(gather_to_numpy(loss), r_loss.numpy(), atol=1e-9)
     for v, a, b in zip(ref.trainable_variables, r_grads, grads):
@@ -147,17 +148,20 @@ def test_gpt_sp_plan_equals_one_device_in_float64():
 
 def test_gpt_sp_forward_collectives_per_region():
     """Per block: attention and MLP each gather the sequence once and reduce-scatter once;
-    plus the embedding's reduce-scatter, and the head's gathers of the sequence (its input)
-    and of the vocabulary (its replicated logits; torch gathers them too).  No all-reduce."""
+    plus the embedding's reduce-scatter and the head's gather of the sequence (its input).
+    The logits stay vocabulary-sharded (the plan's default, for loss_parallel); with
+    loss_parallel=False the head gathers the vocabulary too, as torch does.  No all-reduce."""
     mesh = tfdist.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
     model = parallelize_gpt(make_gpt(depth=2), mesh, sequence_parallel=True)
     ids = shard_batch(tf.constant(IDS), mesh, 0)
-    forward = tf.function(model)
-    forward(ids)
-    with CommDebugMode() as comm:
-        forward(ids)
     regions = 2 * 2
-    assert comm.get_comm_counts() == {"all_gather_into_tensor": regions + 2, "reduce_scatter_tensor": regions + 1}
+    gathered = parallelize_gpt(make_gpt(depth=2), mesh, sequence_parallel=True, loss_parallel=False)
+    for net, gathers in ((model, regions + 1), (gathered, regions + 2)):
+        forward = tf.function(net)
+        forward(ids)
+        with CommDebugMode() as comm:
+            forward(ids)
+        assert comm.get_comm_counts() == {"all_gather_into_tensor": gathers, "reduce_scatter_tensor": regions + 1}
 
 
 def test_tf_repro_still_fails_and_the_workaround_holds():
@@ -186,7 +190,8 @@ def test_gpt_eager_call_and_eager_tape_equal_one_device(sequence_parallel):
     mesh = tfdist.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
     model = parallelize_gpt(make_gpt(), mesh, sequence_parallel=sequence_parallel)
     np.testing.assert_allclose(gather_to_numpy(model(IDS)), r_logits.numpy(), atol=1e-9)
-    logits, loss, grads = logits_loss_grads(model, tf.constant(IDS), tf.constant(NEXT))
+    with loss_parallel():  # vocabulary-sharded float64 logits: TF DTensor's own kernel gives 0
+        logits, loss, grads = logits_loss_grads(model, tf.constant(IDS), tf.constant(NEXT))
     np.testing.assert_allclose(gather_to_numpy(loss), r_loss.numpy(), atol=1e-9)
     for v, a, b in zip(ref.trainable_variables, r_grads, grads):
         np.testing.assert_allclose(gather_to_numpy(tf.convert_to_tensor(b)), tf.convert_to_tensor(a).numpy(),

@@ -14,7 +14,6 @@ unchanged.
 from __future__ import annotations
 
 import re
-import weakref
 
 import keras
 import numpy as np
@@ -115,9 +114,9 @@ def _explain_stranded(model, function):
 
 
 def _loss_parallel(function):
-    """``function`` traced (and run) inside ``loss_parallel()``: a sparse cross-entropy on
-    class-sharded logits then never gathers them (``gpt_tp_plan``'s default), and on any other
-    layout it is the same exact value; other losses are untouched."""
+    """``function`` traced (and run) inside ``loss_parallel()``, for models whose plan leaves
+    class-sharded logits for it (``gpt_tp_plan``'s default): their sparse cross-entropy then
+    never gathers the logits; other losses are untouched."""
 
     def run(*args):
         with loss_parallel():
@@ -127,7 +126,7 @@ def _loss_parallel(function):
     return run
 
 
-def _by_batch_split(step_function, run_eagerly: bool, mesh, batch_axis):
+def _by_batch_split(step_function, run_eagerly: bool, mesh, batch_axis, sharded_logits: bool = False):
     """``step_function`` on sharded batches; a batch that does not split evenly over the
     data-parallel dim runs replicated (``replicated_batch``) in its own traced function.
 
@@ -137,7 +136,7 @@ def _by_batch_split(step_function, run_eagerly: bool, mesh, batch_axis):
     """
     traced = (step_function if run_eagerly else tf.function(step_function, reduce_retracing=True),
               step_function if run_eagerly else tf.function(step_function))
-    even, partial = (_loss_parallel(f) for f in traced)
+    even, partial = (_loss_parallel(f) for f in traced) if sharded_logits else traced
 
     def step(data, splits_evenly=None):
         """One step on ``data``: host batches, or batches ``BatchFeed`` placed (then pass
@@ -168,18 +167,18 @@ def install() -> None:
             return _explain_stranded(self, original_make(self, step_function))
         check_layout_map(self)
         mesh, batch_axis = mesh_of(self)
-        one_step = _by_batch_split(step_function, self.run_eagerly, mesh, batch_axis)
+        one_step = _by_batch_split(step_function, self.run_eagerly, mesh, batch_axis,
+                                   sharded_logits=getattr(self, "_tfdist_loss_parallel", False))
         feeds = {}  # the feed of the epoch iterator Keras passes (one, reused while Keras reuses it)
 
         def function(iterator):
-            source = feeds.get("source")
-            if source is None or source() is not iterator:
+            if feeds.get("source") is not iterator:
                 feeds.clear()  # the previous epoch's feed and its dataset go now
                 # Keras passes each epoch iterator here unadvanced the first time (TFEpochIterator
                 # only hands it on; _maybe_symbolic_build pulls a batch only under a tf.distribute
                 # strategy and then resets the iterators), so the feed may take its dataset over
                 feed = _data.BatchFeed(iterator, mesh, batch_axis, fresh=True)
-                feeds.update(source=weakref.ref(iterator), feed=feed)
+                feeds.update(source=iterator, feed=feed)
             outputs = None
             for _, (data, even) in zip(range(self.steps_per_execution), feeds["feed"]):
                 outputs = one_step(data, even)

@@ -79,7 +79,7 @@ class GPT(keras.Model):
         return self.head(self.ln_f(x))
 
 
-def gpt_tp_plan(*, sequence_parallel: bool = False, loss_parallel: bool = False) -> dict[str, ParallelStyle]:
+def gpt_tp_plan(*, sequence_parallel: bool = False, loss_parallel: bool = True) -> dict[str, ParallelStyle]:
     """The GPT plan, written as torchtitan writes Llama's: head-sharded attention,
     Megatron MLP, vocabulary-parallel embedding.
 
@@ -87,14 +87,15 @@ def gpt_tp_plan(*, sequence_parallel: bool = False, loss_parallel: bool = False)
     are sharded on the sequence (``Shard(1)``); each attention and MLP
     all-gathers the sequence once at its input and its row-parallel
     projection reduce-scatters back onto the sequence -- no all-reduce.
-    ``loss_parallel=True`` leaves the logits sharded on the vocabulary
-    (``Shard(-1)``): Keras ``fit``/``evaluate`` on tfdist then compute a sparse
-    cross-entropy on them without gathering them (the step runs inside
-    ``loss_parallel()``), exactly and faster than on gathered logits.  In a loop
-    of your own, wrap the loss in ``loss_parallel()``: outside it, Keras' sparse
-    cross-entropy on the SP plan's vocabulary-sharded float64 logits was measured
-    to return 0, which is why this is not yet the default.  The default gathers
-    the logits (``Replicate()``), as torch's plans without loss parallelism do.
+    ``loss_parallel`` (the default) leaves the logits sharded on the vocabulary
+    (``Shard(-1)``) and marks the model so that Keras ``fit``/``evaluate`` on
+    tfdist compute its loss inside ``loss_parallel()``: a sparse cross-entropy
+    that never gathers the logits, exact.  In a loop of your own, compute the
+    loss inside ``with loss_parallel():`` too -- TF DTensor's own kernel is right
+    on float32 but returns 0 on float64 class-sharded logits
+    (docs/tf_dtensor_repros/float64_sparse_ce_on_class_sharded_logits.py).
+    ``loss_parallel=False`` gathers the logits (``Replicate()``), as torch's
+    plans without loss parallelism do.
     """
     if not sequence_parallel:
         return {
@@ -105,7 +106,7 @@ def gpt_tp_plan(*, sequence_parallel: bool = False, loss_parallel: bool = False)
             "blocks.*.attn.output": RowwiseParallel(),
             "blocks.*.mlp.up": ColwiseParallel(),
             "blocks.*.mlp.down": RowwiseParallel(),
-            "head": ColwiseParallel(output_layouts=Shard(-1) if loss_parallel else Replicate()),
+            "head": _head(ColwiseParallel(output_layouts=Shard(-1) if loss_parallel else Replicate()), loss_parallel),
         }
     return {
         "tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
@@ -122,14 +123,22 @@ def gpt_tp_plan(*, sequence_parallel: bool = False, loss_parallel: bool = False)
         "blocks.*.mlp.up": ColwiseParallel(input_layouts=Shard(1)),
         "blocks.*.mlp.down": RowwiseParallel(output_layouts=Shard(1)),
         "ln_f": SequenceParallel(),
-        "head": ColwiseParallel(
-            input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate()
+        "head": _head(
+            ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate()),
+            loss_parallel,
         ),
     }
 
 
+def _head(style: ColwiseParallel, loss_parallel: bool) -> ColwiseParallel:
+    """The head's style; with ``loss_parallel`` it marks its logits as meant for ``loss_parallel()``,
+    so that ``parallelize_module`` tells Keras ``fit`` to compute the loss inside it."""
+    style.logits_for_loss_parallel = loss_parallel
+    return style
+
+
 def parallelize_gpt(
-    model: GPT, mesh: DeviceMesh, *, sequence_parallel: bool = False, loss_parallel: bool = False
+    model: GPT, mesh: DeviceMesh, *, sequence_parallel: bool = False, loss_parallel: bool = True
 ) -> GPT:
     """Tensor parallel over ``mesh["tp"]`` (or a 1-D mesh); batches over the other dim."""
     tp = mesh["tp"] if mesh.ndim > 1 else mesh

@@ -92,5 +92,9 @@ def parallelize_module(
         else:
             style._apply(layer, ctx)
     replicate_unplaced(modules, module, mesh)
+    if any(getattr(style, "logits_for_loss_parallel", False) for style in plan.values()):
+        # the plan leaves class-sharded logits for loss_parallel(): Keras fit/evaluate on tfdist
+        # then compute the model's loss inside it (tfdist/keras/_trainer.py)
+        module._tfdist_loss_parallel = True
     return module
 
