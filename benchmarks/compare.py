@@ -17,7 +17,7 @@ order rotated by r), on 8 virtual CPUs:
 - ``hand_written_dp``: the same by hand in raw TF DTensor, data parallel on a 1-D mesh of 8
   (replicated weights and Adam, batch sharded): what TF DTensor itself costs for data parallel;
 - ``tfdist_parallelize``: Keras 3 ``fit`` after ``parallelize_module`` (W2:
-  ``parallelize_gpt(..., loss_parallel=True)``, vocabulary-sharded logits) on 2x4;
+  ``parallelize_gpt``, whose default keeps the logits vocabulary-sharded) on 2x4;
 - ``tfdist_layout_map``: Keras 3 ``fit`` under ``keras.distribution.ModelParallel`` with a
   ``LayoutMap`` on 2x4 (tfdist makes it work on TensorFlow);
 - ``tfdist_data_parallel``: Keras 3 ``fit`` under ``keras.distribution.DataParallel`` on 8;
@@ -271,8 +271,8 @@ def run_tfdist_parallelize(w, x, y):
     model = _keras_model(keras, w)
     if w["kind"] == "mlp":
         parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
-    else:  # logits stay vocabulary-sharded; tfdist's fit computes the loss on them (loss_parallel)
-        parallelize_gpt(model, mesh, loss_parallel=True)
+    else:  # the default plan: logits stay vocabulary-sharded, fit computes the loss on them (loss_parallel)
+        parallelize_gpt(model, mesh)
     return _fit(keras, model, w, x, y)
 
 
