@@ -18,6 +18,7 @@ prefetch; the step loop then only packs the ready pieces onto the mesh.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Iterator
 
 import numpy as np
@@ -42,15 +43,26 @@ def _pack(t: tf.Tensor, mesh: DeviceMesh, batch_axis: int | None) -> tf.Tensor:
     return _pack_pieces(tf.split(t, k), mesh, batch_axis)
 
 
+@functools.lru_cache(maxsize=64)
+def _piece_of_device(mesh: DeviceMesh, batch_axis: int) -> tuple[int, ...]:
+    """For each local device, in mesh order, the index of the data-parallel piece it holds
+    (its coordinate on the batch mesh dim).  Computed once per mesh, not per step."""
+    return tuple(coord[batch_axis] for coord in mesh.local_coordinates())
+
+
+@functools.lru_cache(maxsize=256)
+def _batch_layout(mesh: DeviceMesh, batch_axis: int, rank: int) -> dtensor.Layout:
+    """A rank-``rank`` layout sharded on dim 0 over the batch mesh dim (built once, not per step)."""
+    return dtensor.Layout([mesh.axis_names[batch_axis]] + [dtensor.UNSHARDED] * (rank - 1), mesh.to_tf())
+
+
 def _pack_pieces(pieces, mesh: DeviceMesh, batch_axis: int) -> tf.Tensor:
     """The batch's k data-parallel pieces as one DTensor sharded on its first dim.
 
     Devices that share a batch coordinate (the tp devices of a 2x4 mesh) receive the same
     piece, so a 2x4 mesh slices each tensor twice, not eight times."""
-    blocks = [pieces[coord[batch_axis]] for coord in mesh.local_coordinates()]
-    rank = pieces[0].shape.rank
-    layout = dtensor.Layout([mesh.axis_names[batch_axis]] + [dtensor.UNSHARDED] * (rank - 1), mesh.to_tf())
-    return dtensor.pack(blocks, layout)
+    blocks = [pieces[i] for i in _piece_of_device(mesh, batch_axis)]
+    return dtensor.pack(blocks, _batch_layout(mesh, batch_axis, pieces[0].shape.rank))
 
 
 def splits_evenly(data: Any, mesh: DeviceMesh, batch_axis: int | None) -> bool:
