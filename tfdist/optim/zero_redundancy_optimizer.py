@@ -26,7 +26,7 @@ from tfdist.tensor._modules import module_backend
 __all__ = ["ZeroRedundancyOptimizer"]
 
 
-def _sharded_slot_layout(dp: str | None):
+def sharded_slot_layout(dp: str | None):
     """``(parameter layout, shape) -> slot layout``: ``dp`` added on the first free dim that divides."""
 
     def layout(param_layout: dtensor.Layout, shape: tuple[int, ...]) -> dtensor.Layout:
@@ -90,7 +90,7 @@ class ZeroRedundancyOptimizer:
         subclass = _zero_class(optimizer_class)
         optimizer = subclass(**defaults)
         module_backend(optimizer, "ZeroRedundancyOptimizer")  # loads tfdist's Keras integration
-        optimizer._tfdist_slot_layout = _sharded_slot_layout(dp)
+        optimizer._tfdist_slot_layout = sharded_slot_layout(dp)
         return optimizer
 
 
