@@ -39,13 +39,41 @@ def test_medians_and_the_loss_check_against_one_device():
     assert summary["tf_keras_layout_map"] == {"error": "ValueError: no", "peak_rss_mb": 80}
 
 
-def test_goal_ratios_and_table():
+def test_goal_ratios_pair_the_programs_of_each_round_and_table():
     summary = compare.summarize(RUNS)
-    rows = {r["ratio"]: r for r in compare.ratios(summary)}
-    assert rows["tfdist parallelize_module fit 2x4 / hand-written TF DTensor 2x4"]["W1"] == pytest.approx(23 / 22, abs=1e-3)
-    assert rows["tfdist DataParallel fit 8 / MirroredStrategy fit 8"]["W1"] == pytest.approx(0.8)
+    rows = {r["ratio"]: r for r in compare.ratios(RUNS)}
+    tp = rows["tfdist parallelize_module fit 2x4 / hand-written TF DTensor 2x4"]
+    # rounds: 21/20, 23/22, 24/30 -> median 23/22 (not the ratio of medians, 23/22 by chance here too)
+    assert tp["W1"] == pytest.approx(23 / 22, abs=1e-3)
+    assert tp["W1_range"] == [pytest.approx(0.8), pytest.approx(1.05)]
+    assert rows["tfdist DataParallel fit 8 / MirroredStrategy fit 8"]["W1"] == pytest.approx(0.8)  # one paired round
     assert rows["tfdist parallelize_module fit 2x4 / tf_keras LayoutMap fit 2x4"]["W1"] is None  # it failed
     assert rows["peak memory: tfdist DataParallel / MirroredStrategy"]["W1"] == pytest.approx(0.75)
-    table = compare.markdown(summary, compare.ratios(summary), {"command": "c", "commit": "abc", "rounds": 3})
+    table = compare.markdown(summary, compare.ratios(RUNS), {"command": "c", "commit": "abc", "rounds": 3})
     assert "| tf_keras_layout_map | fails: ValueError: no |" in table
     assert "| tfdist_data_parallel | 40.0 | 2.0 | 0.10 | 90 | no (5.6e-02) |" in table
+
+
+def test_a_run_without_one_device_has_no_loss_check_and_still_tabulates():
+    runs = {"W2": {p: RUNS["W1"][p] for p in ("hand_written", "tfdist_parallelize")}}
+    summary = compare.summarize(runs)
+    assert summary["W2"]["hand_written"]["losses_agree"] is None
+    table = compare.markdown(summary, compare.ratios(runs), {"command": "c", "commit": "abc", "rounds": 3})
+    assert "| hand_written | 22.0 | 2.0 | 0.10 | 100 | no one_device run |" in table
+
+
+def test_a_round_ratio_is_not_the_ratio_of_medians():
+    runs = {"W1": {"tfdist_parallelize": [_run(10, [1.0]), _run(30, [1.0]), _run(12, [1.0])],
+                   "hand_written": [_run(10, [1.0]), _run(10, [1.0]), _run(20, [1.0])]}}
+    row = next(r for r in compare.ratios(runs) if r["ratio"].startswith("tfdist parallelize_module fit 2x4 / hand-written TF"))
+    assert row["W1"] == pytest.approx(1.0)  # rounds: 1.0, 3.0, 0.6 (the ratio of medians would be 12/10)
+
+
+def test_losses_logged_every_few_steps_are_checked_at_those_steps():
+    reference = _run(10, [4.0, 3.0, 2.0, 1.0])
+    every_two = dict(_run(10, [3.0, 1.0005]), loss_steps=[1, 3])  # steps_per_execution=2
+    wrong = dict(_run(10, [2.0, 1.0]), loss_steps=[1, 3])
+    summary = compare.summarize({"W1": {"one_device": [reference], "tfdist_parallelize_spe4": [every_two],
+                                        "tfdist_parallelize": [wrong]}})["W1"]
+    assert summary["tfdist_parallelize_spe4"]["losses_agree"] is True
+    assert summary["tfdist_parallelize"]["loss_rel_diff"] == pytest.approx(1 / 3)
