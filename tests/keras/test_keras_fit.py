@@ -227,6 +227,22 @@ def test_steps_per_execution_gives_one_devices_losses(steps):
     assert max_weight_diff(ref, model) < 1e-5
 
 
+def test_why_steps_per_execution_runs_one_program_per_step():
+    """Fusing the steps of an execution into one program would save one DTensor dispatch per step
+    (1-2 ms on W1), but TF DTensor then serves the second step a metric value from before the
+    first step's write (docs/tf_dtensor_repros/stale_read_across_calls.py, run as a script).
+    If a TF release fixes it, this fails: fusing can then be reconsidered."""
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).parents[2] / "docs" / "tf_dtensor_repros" / "stale_read_across_calls.py"
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1, out.stdout + out.stderr[-2000:]
+    assert "two calls from Python: total=992.0 count=2.0" in out.stdout
+    assert "REPRODUCED" in out.stdout
+
+
 def test_steps_per_epoch_over_a_repeated_dataset_continues_the_stream_across_epochs():
     """Keras keeps one iterator across epochs when steps_per_epoch is set; the feed must too,
     or batches would be skipped or replayed (reference: the same fit on one device)."""
