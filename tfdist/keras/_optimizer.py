@@ -20,6 +20,7 @@ from tensorflow.experimental import dtensor
 
 from tfdist import _patches
 from tfdist.keras import _variables
+from tfdist.optim.zero_redundancy_optimizer import sharded_slot_layout
 
 __all__ = ["install"]
 
@@ -123,8 +124,6 @@ def _shared_host_slot_layout(param_layout: dtensor.Layout):
     distribution = keras.distribution.distribution()
     if not isinstance(distribution, keras.distribution.DataParallel) or not _shares_host_cpu(param_layout.mesh):
         return None
-    from tfdist.optim.zero_redundancy_optimizer import sharded_slot_layout
-
     shard = sharded_slot_layout(distribution.batch_dim_name)
 
     def layout(param_layout: dtensor.Layout, shape: tuple[int, ...]) -> dtensor.Layout:
