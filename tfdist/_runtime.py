@@ -18,8 +18,6 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 from tensorflow.python.eager import context
 
-from tfdist import _malloc
-
 __all__ = [
     "init_distributed",
     "is_initialized",
@@ -77,11 +75,7 @@ def virtual_cpus(n: int = 8) -> list[str]:
     """Splits the host CPU into ``n`` logical devices, as a Colab user needs.
 
     Call it once, before anything else touches TensorFlow devices.  Calling it
-    again with the same ``n`` is harmless.  With ``n > 1`` on Linux/glibc it
-    also limits malloc to one arena per usable core (TF DTensor runs each
-    device on a thread of its own, and glibc's default of 8 arenas per core
-    held 50-70 MB more at the same speed, docs/performance.md); a
-    ``MALLOC_ARENA_MAX`` you set yourself is left alone.
+    again with the same ``n`` is harmless.
 
     Args:
         n: number of logical CPU devices (>= 1).
@@ -118,8 +112,6 @@ def _configure_virtual_cpus(n: int) -> None:
             f"the launcher already gives each process {launched} CPUs. Drop the virtual_cpus call "
             f"or pass --devices-per-proc {n}. Received: n={n}"
         )
-    if n > 1:  # several device threads on the same cores: one malloc arena per core (tfdist/_malloc.py)
-        _malloc.limit_arenas()
     cpu = tf.config.list_physical_devices("CPU")[0]
     configured = tf.config.get_logical_device_configuration(cpu)
     if configured is None or len(configured) != n:
