@@ -1,0 +1,174 @@
+"""Where the time of a tfdist ``fit`` step goes, next to the same step written by hand: one
+process, 8 virtual CPUs, W1 of ``compare.py`` (MLP 2.1M, Adam) on a 2x4 (dp, tp) mesh.
+
+    python benchmarks/fit_host_cost.py [--rounds 10] [--steps 40]
+
+In one process, alternating blocks (the order flips every round), each measured over the
+steps after 10 warm-up steps:
+
+- ``fit``: Keras 3 ``fit`` after ``parallelize_module`` (column/row parallel), one epoch;
+- ``hand``: the same step by hand in raw TF DTensor (``_handwritten.py``), reading its loss
+  every step as Keras 3's ``fit`` on TensorFlow does (docs/keras.md);
+- ``feed`` / ``hand_place``: only the batches -- tfdist's ``BatchFeed`` (a tf.data split stage
+  plus ``dtensor.pack``) against the hand-written ``tf.split`` + ``dtensor.pack``;
+- ``fit_step`` / ``hand_step``: only the traced step programs, called on one placed batch.
+
+Each reports wall ms per step and the main thread's CPU ms per step (``time.thread_time``:
+the host work that, on a 2-core host, competes with the 8 device threads).  Writes
+``results/fit_host_cost.json`` and prints medians and paired ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WARMUP = 10
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=40, help="timed steps per block, after 10 warm-up steps")
+    args = parser.parse_args()
+    sys.path.insert(0, HERE)
+    import numpy as np
+    import tfdist
+
+    tfdist.virtual_cpus(8)
+    import keras
+    import tensorflow as tf
+    from tensorflow.experimental import dtensor
+
+    import _handwritten
+    import compare
+    import tfdist.keras  # noqa: F401
+    from tfdist.keras import _data
+    from tfdist.keras._trainer import mesh_of
+    from tfdist.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    n = WARMUP + args.steps
+    w = dict(compare.WORKLOADS["W1"], steps=n)
+    x, y = compare._data(w)
+    b = w["batch"]
+    mesh = tfdist.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+
+    model = compare._keras_model(keras, w)
+    parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    model.compile(optimizer=keras.optimizers.Adam(w["lr"]), loss="mse")
+    model.fit(x[:2 * b], y[:2 * b], batch_size=b, epochs=1, verbose=0, shuffle=False)  # trace
+    fit_mesh, batch_axis = mesh_of(model)
+    fit_step_fn = model.train_function.one_step.traced[0]
+
+    tf_mesh = dtensor.create_mesh([("dp", 2), ("tp", 4)], devices=[f"CPU:{i}" for i in range(8)])
+    weights, forward = _handwritten.mlp(compare._keras_model(keras, w), tf_mesh)
+    update = _handwritten.adam(weights, w["lr"])
+    names = sorted(weights)
+
+    @tf.function
+    def hand_step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(forward(xb) - yb))
+        update(dict(zip(names, tape.gradient(loss, [weights[k] for k in names]))))
+        return loss
+
+    def place(batch):
+        pieces = tf.split(tf.constant(batch), 2)
+        layout = dtensor.Layout(["dp"] + [dtensor.UNSHARDED] * (batch.ndim - 1), tf_mesh)
+        return dtensor.pack([pieces[i // 4] for i in range(8)], layout)
+
+    def scalar(t):
+        return float(dtensor.unpack(t)[0]) if dtensor.is_dtensor(t) else float(t)
+
+    def timed(marks):  # (wall, main-thread cpu) per step between the end of warm-up and the end
+        (t0, c0), (t1, c1) = marks
+        return {"wall_ms": (t1 - t0) / args.steps * 1e3, "cpu_ms": (c1 - c0) / args.steps * 1e3}
+
+    def now():
+        return time.perf_counter(), time.thread_time()
+
+    def run_fit():
+        marks = []
+
+        class Mark(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                if batch in (WARMUP - 1, n - 1):
+                    marks.append(now())
+
+        model.fit(x, y, batch_size=b, epochs=1, verbose=0, shuffle=False, callbacks=[Mark()])
+        return timed(marks)
+
+    def run_hand():
+        marks = []
+        for i in range(n):
+            scalar(hand_step(place(x[i * b:(i + 1) * b]), place(y[i * b:(i + 1) * b])))
+            if i in (WARMUP - 1, n - 1):
+                marks.append(now())
+        return timed(marks)
+
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(b)
+
+    def run_feed():
+        feed = _data.BatchFeed(iter(dataset), fit_mesh, batch_axis, fresh=True)
+        marks = []
+        for i, _ in enumerate(feed):
+            if i in (WARMUP - 1, n - 1):
+                marks.append(now())
+        return timed(marks)
+
+    def run_hand_place():
+        marks = []
+        for i in range(n):
+            place(x[i * b:(i + 1) * b]), place(y[i * b:(i + 1) * b])
+            if i in (WARMUP - 1, n - 1):
+                marks.append(now())
+        return timed(marks)
+
+    fit_batch = _data.shard_batch((tf.constant(x[:b]), tf.constant(y[:b])), fit_mesh, batch_axis)
+    hand_batch = (place(x[:b]), place(y[:b]))
+
+    def steps_only(fn, *batch):
+        def run():
+            marks = []
+            for i in range(n):
+                out = fn(*batch)
+                if i in (WARMUP - 1, n - 1):
+                    scalar(tf.nest.flatten(out)[0])
+                    marks.append(now())
+            return timed(marks)
+        return run
+
+    programs = {"fit": run_fit, "hand": run_hand, "feed": run_feed, "hand_place": run_hand_place,
+                "fit_step": steps_only(fit_step_fn, fit_batch), "hand_step": steps_only(hand_step, *hand_batch)}
+    runs: dict = {p: [] for p in programs}
+    for r in range(args.rounds):
+        for p in (list(programs) if r % 2 == 0 else list(programs)[::-1]):
+            runs[p].append(programs[p]())
+    summary = {p: {k: statistics.median(v[k] for v in rs) for k in ("wall_ms", "cpu_ms")} for p, rs in runs.items()}
+    pairs = {}
+    for a, c in (("fit", "hand"), ("feed", "hand_place"), ("fit_step", "hand_step")):
+        for k in ("wall_ms", "cpu_ms"):
+            pairs[f"{a}/{c} {k}"] = statistics.median(p[k] / q[k] for p, q in zip(runs[a], runs[c]))
+    commit = os.popen(f"git -C {HERE} rev-parse --short HEAD").read().strip()
+    result = {"command": "python benchmarks/fit_host_cost.py " + " ".join(sys.argv[1:]), "commit": commit,
+              "rounds": args.rounds, "timed_steps": args.steps, "summary": summary, "paired_ratios": pairs,
+              "runs": runs}
+    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
+    with open(os.path.join(HERE, "results", "fit_host_cost.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"W1 on 2x4, {args.rounds} alternating rounds of {args.steps} steps (medians, per step):")
+    print("| program | wall ms | main-thread CPU ms |\n| --- | --- | --- |")
+    for p, row in summary.items():
+        print(f"| {p} | {row['wall_ms']:.2f} | {row['cpu_ms']:.2f} |")
+    print("\n| paired ratio (median over rounds) | value |\n| --- | --- |")
+    for name, value in pairs.items():
+        print(f"| {name} | {value:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
