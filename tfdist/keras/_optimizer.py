@@ -106,8 +106,9 @@ def _shares_host_cpu(mesh: dtensor.Mesh) -> bool:
 
 # Parameters from this many elements up have their slots sharded under DataParallel on a
 # shared host: below it one all-gather's fixed latency (~2 ms on 8 virtual CPUs) costs more
-# than the replicated update it saves (~12 ns per element over 8 replicas); measured in
-# benchmarks/compare.py (W1's 1M-element kernels gain, W2's <= 65K-element weights lose).
+# than the replicated update it saves (~12 ns per element over 8 replicas).  Measured: W1's
+# 1M-element kernels gain (benchmarks/compare.py); W2's weights, all under 65K elements, went
+# from 75 to 134 ms per step with every slot sharded (docs/design.md).
 SHARDED_SLOT_MIN_ELEMENTS = 1 << 18
 
 
@@ -126,10 +127,10 @@ def _shared_host_slot_layout(param_layout: dtensor.Layout):
         return None
     shard = sharded_slot_layout(distribution.batch_dim_name)
 
-    def layout(param_layout: dtensor.Layout, shape: tuple[int, ...]) -> dtensor.Layout:
+    def layout(of_param: dtensor.Layout, shape: tuple[int, ...]) -> dtensor.Layout:
         if int(np.prod(shape, dtype=np.int64)) < SHARDED_SLOT_MIN_ELEMENTS:
-            return param_layout
-        return shard(param_layout, shape)
+            return of_param
+        return shard(of_param, shape)
 
     return layout
 
