@@ -1,23 +1,29 @@
 """One command that compares Keras training on tfdist with every baseline, side by side.
 
-    python benchmarks/compare.py [--rounds 3] [--workloads W1,W2] [--programs ...]
+    python benchmarks/compare.py [--rounds 5] [--workloads W1,W2] [--programs ...]
 
 Workloads (Adam, the same initial weights and data in every program):
 
-- W1: a 2-layer MLP, 1024 -> 1024 (gelu) -> 1024, 2.1M parameters, MSE, batch 64;
+- W1: a 2-layer MLP, 1024 -> 1024 (gelu) -> 1024, 2.1M parameters, MSE, batch 64, 100 steps;
 - W2: ``tfdist.models.GPT`` (vocab 256, seq 64, dim 128, 8 heads, 2 blocks), 0.5M
-  parameters, token cross-entropy, batch 16.
+  parameters, token cross-entropy, batch 16, 60 steps.
 
 Programs, each run in a fresh process (interleaved: round r runs every program once, in an
 order rotated by r), on 8 virtual CPUs:
 
 - ``one_device``: Keras 3 ``fit`` on one device;
-- ``hand_written``: the same model, loss and Adam written by hand in raw TF DTensor on a 2x4
-  (dp x tp) mesh, Megatron layouts, batches packed by dp coordinate; a Python loop of steps;
+- ``hand_written_one_device``: the same model, loss and Adam by hand in plain TF on one device,
+  reading the loss every step (Keras' own loop is the difference to ``one_device`` on W1);
+- ``hand_written``: the same by hand in raw TF DTensor on a 2x4 (dp x tp) mesh, Megatron
+  layouts, batches packed by dp coordinate; a Python loop of steps that reads the loss only at
+  the end of the warm-up and at the end;
+- ``hand_written_synced``: that loop reading the loss every step, as Keras 3 ``fit`` on
+  TensorFlow does (it converts each batch's logs);
 - ``hand_written_dp``: the same by hand in raw TF DTensor, data parallel on a 1-D mesh of 8
   (replicated weights and Adam, batch sharded): what TF DTensor itself costs for data parallel;
 - ``tfdist_parallelize``: Keras 3 ``fit`` after ``parallelize_module`` (W2:
-  ``parallelize_gpt``, whose default keeps the logits vocabulary-sharded) on 2x4;
+  ``parallelize_gpt``, whose default keeps the logits vocabulary-sharded) on 2x4, and
+  ``tfdist_parallelize_spe4``: the same with ``steps_per_execution=4``;
 - ``tfdist_layout_map``: Keras 3 ``fit`` under ``keras.distribution.ModelParallel`` with a
   ``LayoutMap`` on 2x4 (tfdist makes it work on TensorFlow);
 - ``tfdist_data_parallel``: Keras 3 ``fit`` under ``keras.distribution.DataParallel`` on 8;
@@ -25,11 +31,11 @@ order rotated by r), on 8 virtual CPUs:
   ``DTensorDataset`` (its ``fit`` on arrays fails), with tf_keras' DTensor Adam;
 - ``mirrored``: Keras 3 ``fit`` under ``tf.distribute.MirroredStrategy`` on 8.
 
-Each program reports the median-free steady step time (the wall time of the steps after the
-warm-up, synchronised only at their two ends, so that feeding may overlap compute), the first
-step (trace + compile), how long ``fit`` takes to return after its last step, peak resident
-memory, and its per-step losses.  The parent checks every program's losses against
-``one_device``'s, takes medians over rounds and writes ``results/compare.json``,
+Each program reports its steady step time (the wall time of the steps after the warm-up), the
+first step (trace + compile), how long ``fit`` takes to return after its last step, peak
+resident memory, and its logged losses.  The parent checks every program's losses against
+``one_device``'s at the steps it logged, takes medians over rounds, computes each goal ratio as
+the median over rounds of that round's ratio (with its range), and writes ``results/compare.json``,
 ``results/compare.md`` (the table docs/performance.md quotes) and ``results/compare.png``.
 """
 
