@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
 
 
@@ -54,3 +56,44 @@ def test_import_enables_the_all_gather_lowering_unless_opted_out():
                          capture_output=True, text=True, timeout=300)
     assert on.stdout.split()[-1] == "1", on.stderr[-500:]
     assert off.stdout.split()[-1] == "None", off.stderr[-500:]
+
+
+# After a 4 MiB block is freed, is a 2 MiB block still mmapped?  glibc's default raises its
+# threshold to 4 MiB on that free, so the control serves the 2 MiB block from an arena.
+# mallinfo2's hblks counts the blocks that are mmapped right now.
+_MMAPPED_AFTER_A_BIG_FREE = """
+import ctypes
+{setup}
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+                 "fordblks", "keepcost")]
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+libc.mallinfo2.restype = MallInfo2
+libc.free(libc.malloc(4 << 20))
+before = libc.mallinfo2().hblks
+block = libc.malloc(2 << 20)
+print("MMAPPED", libc.mallinfo2().hblks - before)
+libc.free(block)
+"""
+
+
+def _mmapped_after_a_big_free(setup: str, **env: str) -> int:
+    out = subprocess.run([sys.executable, "-c", _MMAPPED_AFTER_A_BIG_FREE.format(setup=setup)],
+                         capture_output=True, text=True, env={**ENV, **env}, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return int(out.stdout.split("MMAPPED", 1)[1].split()[0])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc")
+def test_virtual_cpus_keeps_large_blocks_mmapped():
+    """A plain TensorFlow process (the control) lets its threshold climb; after virtual_cpus(8)
+    a 2 MiB block is still mmapped (so its memory goes back to the OS on free).  A threshold the
+    user set through glibc's own variable stands, and one device changes nothing."""
+    assert _mmapped_after_a_big_free("import tensorflow") == 0
+    assert _mmapped_after_a_big_free("import tfdist; tfdist.virtual_cpus(8)") == 1
+    assert _mmapped_after_a_big_free("import tfdist; tfdist.virtual_cpus(1)") == 0
+    assert _mmapped_after_a_big_free("import tfdist; tfdist.virtual_cpus(8)",
+                                     MALLOC_MMAP_THRESHOLD_=str(8 << 20)) == 0
