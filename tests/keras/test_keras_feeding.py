@@ -118,3 +118,53 @@ def test_fit_and_evaluate_feed_every_epoch_through_tf_data(monkeypatch):
     finally:
         keras.distribution.set_distribution(None)
     assert len(feeds) == 4 and all(f.taken_over for f in feeds)  # 2 epochs x (train, validation)
+
+
+def test_placing_the_next_batch_early_changes_neither_batches_nor_order():
+    """place_next (called by fit right after dispatching a step) hands over the same batches, in
+    the same order, and the end of the data, as plain iteration; reference: numpy's rows."""
+    mesh = tfdist.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+    ds, xs = _batches(16, 8, 5)
+    feed = _data.BatchFeed(iter(ds), mesh, 0, fresh=True)
+    got = []
+    for _ in range(3):
+        feed.place_next()
+        feed.place_next()  # twice in a row takes no second batch
+        got.append(next(feed))
+    feed.place_next()  # past the end: the end is kept for the next call
+    for _ in range(2):
+        try:
+            next(feed)
+            raise AssertionError("the feed went past the end of its data")
+        except StopIteration:
+            pass
+    assert [even for _, even in got] == [True, True, False]
+    for ((x, y), _), want in zip(got, xs):
+        np.testing.assert_array_equal(_data.gather_to_numpy(x), want)
+        np.testing.assert_array_equal(_data.gather_to_numpy(y), want * 10)
+
+
+def test_fit_places_the_next_batch_before_keras_reads_the_logs(monkeypatch):
+    """During fit, batch k+1 is already placed when Keras' callbacks get the logs of batch k."""
+    import keras
+
+    from keras_helpers import make_mlp
+
+    placed = []
+    place = _data.BatchFeed._next_placed
+    monkeypatch.setattr(_data.BatchFeed, "_next_placed", lambda self: placed.append(1) or place(self))
+    seen = []
+
+    class Seen(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(len(placed))
+
+    keras.distribution.set_distribution(keras.distribution.DataParallel())
+    try:
+        model = make_mlp()
+        model.compile(optimizer="sgd", loss="mse")
+        x = np.ones((64, 16), np.float32)
+        model.fit(x, x[:, :8], batch_size=16, epochs=1, verbose=0, shuffle=False, callbacks=[Seen()])
+    finally:
+        keras.distribution.set_distribution(None)
+    assert seen == [2, 3, 4, 5]  # at the end of batch k (from 0), batches 0..k+1 are placed; the 5th: the end

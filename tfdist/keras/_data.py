@@ -175,12 +175,36 @@ class BatchFeed:
             self._iterator: Iterator = iter(staged)
         else:
             self._iterator = iterator
+        self._ahead: tuple | None = None  # a batch placed early by place_next: (batch,), or () at the end
+
+    def place_next(self) -> None:
+        """Places the next batch now, so the next ``next`` hands it over at once.
+
+        Called right after a step is dispatched: TF DTensor runs that step on the device
+        threads while the main thread packs the following batch, instead of packing it
+        only after Keras has read the step's logs.  Only for a taken-over ``tf.data``
+        pipeline, which already reads ``PREFETCH`` batches ahead: the order and content of
+        the batches do not change, and no user code runs earlier than it would anyway."""
+        if self._ahead is not None or not self.taken_over:
+            return
+        try:
+            self._ahead = (self._next_placed(),)
+        except StopIteration:
+            self._ahead = ()
 
     def __iter__(self) -> "BatchFeed":
         return self
 
     def __next__(self) -> tuple[Any, bool]:
         """(the next batch as sharded DTensors, whether it split evenly over the batch dim)."""
+        if self._ahead is not None:
+            ahead, self._ahead = self._ahead, None
+            if not ahead:
+                raise StopIteration
+            return ahead[0]
+        return self._next_placed()
+
+    def _next_placed(self) -> tuple[Any, bool]:
         element = next(self._iterator)
         if not self.taken_over:
             even = splits_evenly(element, self.mesh, self.batch_axis)

@@ -185,6 +185,7 @@ def install() -> None:
             if outputs is None:
                 feeds.clear()
                 raise StopIteration
+            feeds["feed"].place_next()  # while the step computes, before Keras waits for its logs
             return outputs
 
         function.one_step = one_step
