@@ -1,12 +1,14 @@
 """Where the time of a tfdist ``fit`` step goes, next to the same step written by hand: one
-process, 8 virtual CPUs, W1 of ``compare.py`` (MLP 2.1M, Adam) on a 2x4 (dp, tp) mesh.
+process, 8 virtual CPUs, a workload of ``compare.py`` (W1: MLP 2.1M; W2: tiny GPT; Adam) on a
+2x4 (dp, tp) mesh.
 
-    python benchmarks/fit_host_cost.py [--rounds 10] [--steps 40]
+    python benchmarks/fit_host_cost.py [--workload W1] [--rounds 10] [--steps 40]
 
 In one process, alternating blocks (the order flips every round), each measured over the
 steps after 10 warm-up steps:
 
-- ``fit``: Keras 3 ``fit`` after ``parallelize_module`` (column/row parallel), one epoch;
+- ``fit``: Keras 3 ``fit`` after ``parallelize_module`` (W1: column/row parallel; W2:
+  ``parallelize_gpt``'s default plan, vocabulary-sharded logits), one epoch;
 - ``hand``: the same step by hand in raw TF DTensor (``_handwritten.py``), reading its loss
   every step as Keras 3's ``fit`` on TensorFlow does (docs/keras.md);
 - ``feed`` / ``hand_place``: only the batches -- tfdist's ``BatchFeed`` (a tf.data split stage
@@ -15,7 +17,7 @@ steps after 10 warm-up steps:
 
 Each reports wall ms per step and the main thread's CPU ms per step (``time.thread_time``:
 the host work that, on a 2-core host, competes with the 8 device threads).  Writes
-``results/fit_host_cost.json`` and prints medians and paired ratios.
+``results/fit_host_cost.json`` (``fit_host_cost_W2.json`` for W2) and prints medians and paired ratios.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--steps", type=int, default=40, help="timed steps per block, after 10 warm-up steps")
+    parser.add_argument("--workload", default="W1", choices=["W1", "W2"])
     args = parser.parse_args()
     sys.path.insert(0, HERE)
     import numpy as np
@@ -50,30 +53,41 @@ def main() -> None:
     import tfdist.keras  # noqa: F401
     from tfdist.keras import _data
     from tfdist.keras._trainer import mesh_of
+    from tfdist.models import parallelize_gpt
     from tfdist.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     n = WARMUP + args.steps
-    w = dict(compare.WORKLOADS["W1"], steps=n)
+    w = dict(compare.WORKLOADS[args.workload], steps=n)
+    mlp = w["kind"] == "mlp"
     x, y = compare._data(w)
     b = w["batch"]
     mesh = tfdist.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
 
     model = compare._keras_model(keras, w)
-    parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
-    model.compile(optimizer=keras.optimizers.Adam(w["lr"]), loss="mse")
+    if mlp:
+        parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    else:
+        parallelize_gpt(model, mesh)
+    model.compile(optimizer=keras.optimizers.Adam(w["lr"]), loss=compare._loss(keras, w))
     model.fit(x[:2 * b], y[:2 * b], batch_size=b, epochs=1, verbose=0, shuffle=False)  # trace
     fit_mesh, batch_axis = mesh_of(model)
     fit_step_fn = model.train_function.one_step.traced[0]
 
     tf_mesh = dtensor.create_mesh([("dp", 2), ("tp", 4)], devices=[f"CPU:{i}" for i in range(8)])
-    weights, forward = _handwritten.mlp(compare._keras_model(keras, w), tf_mesh)
+    reference = compare._keras_model(keras, w)
+    if mlp:
+        weights, forward = _handwritten.mlp(reference, tf_mesh)
+        loss_of = lambda out, target: tf.reduce_mean(tf.square(out - target))  # noqa: E731
+    else:
+        weights, forward = _handwritten.gpt(reference, tf_mesh, w["vocab"], w["seq"], w["dim"], w["heads"])
+        loss_of = lambda out, target: _handwritten.sharded_cross_entropy(target, out)  # noqa: E731
     update = _handwritten.adam(weights, w["lr"])
     names = sorted(weights)
 
     @tf.function
     def hand_step(xb, yb):
         with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(forward(xb) - yb))
+            loss = loss_of(forward(xb), yb)
         update(dict(zip(names, tape.gradient(loss, [weights[k] for k in names]))))
         return loss
 
@@ -156,12 +170,14 @@ def main() -> None:
             pairs[f"{a}/{c} {k}"] = statistics.median(p[k] / q[k] for p, q in zip(runs[a], runs[c]))
     commit = os.popen(f"git -C {HERE} rev-parse --short HEAD").read().strip()
     result = {"command": "python benchmarks/fit_host_cost.py " + " ".join(sys.argv[1:]), "commit": commit,
+              "workload": args.workload,
               "rounds": args.rounds, "timed_steps": args.steps, "summary": summary, "paired_ratios": pairs,
               "runs": runs}
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    with open(os.path.join(HERE, "results", "fit_host_cost.json"), "w") as f:
+    name = "fit_host_cost.json" if args.workload == "W1" else f"fit_host_cost_{args.workload}.json"
+    with open(os.path.join(HERE, "results", name), "w") as f:
         json.dump(result, f, indent=1)
-    print(f"W1 on 2x4, {args.rounds} alternating rounds of {args.steps} steps (medians, per step):")
+    print(f"{args.workload} on 2x4, {args.rounds} alternating rounds of {args.steps} steps (medians, per step):")
     print("| program | wall ms | main-thread CPU ms |\n| --- | --- | --- |")
     for p, row in summary.items():
         print(f"| {p} | {row['wall_ms']:.2f} | {row['cpu_ms']:.2f} |")
