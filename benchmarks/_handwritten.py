@@ -132,6 +132,29 @@ def adam(weights: dict, lr: float, beta_1: float = 0.9, beta_2: float = 0.999, e
     return apply
 
 
+def train_step(reference, tf_mesh, w: dict):
+    """One training step of workload ``w`` (``compare.WORKLOADS``) by hand, as a ``tf.function``
+    ``step(x, y) -> loss``: the forward above, its loss (MSE, or cross-entropy on the
+    vocabulary-sharded logits) and Adam by hand."""
+    if w["kind"] == "mlp":
+        weights, forward = mlp(reference, tf_mesh)
+        loss_of = lambda out, target: tf.reduce_mean(tf.square(out - target))  # noqa: E731
+    else:
+        weights, forward = gpt(reference, tf_mesh, w["vocab"], w["seq"], w["dim"], w["heads"])
+        loss_of = lambda out, target: sharded_cross_entropy(target, out)  # noqa: E731
+    update = adam(weights, w["lr"])
+    names = sorted(weights)
+
+    @tf.function
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = loss_of(forward(xb), yb)
+        update(dict(zip(names, tape.gradient(loss, [weights[n] for n in names]))))
+        return loss
+
+    return step
+
+
 def tf_keras_gpt(mesh, axis: str, vocab: int, seq: int, dim: int, heads: int, depth: int):
     """The GPT in tf_keras (Keras 2) layers under a tf_keras DTensor ``LayoutMap`` sharding
     ``axis`` as in the plan: the other baseline (its own initial weights)."""

@@ -207,24 +207,9 @@ def run_hand_written(w, x, y, shape=(2, 4), sync_every_step=False):
 
     import _handwritten
 
-    reference = _keras_model(keras, w)
     mesh = None if shape is None else dtensor.create_mesh([("dp", shape[0]), ("tp", shape[1])],
                                                           devices=[f"CPU:{i}" for i in range(8)])
-    if w["kind"] == "mlp":
-        weights, forward = _handwritten.mlp(reference, mesh)
-        loss_of = lambda out, target: tf.reduce_mean(tf.square(out - target))  # noqa: E731
-    else:
-        weights, forward = _handwritten.gpt(reference, mesh, w["vocab"], w["seq"], w["dim"], w["heads"])
-        loss_of = lambda out, target: _handwritten.sharded_cross_entropy(target, out)  # noqa: E731
-    update = _handwritten.adam(weights, w["lr"])
-    names = sorted(weights)
-
-    @tf.function
-    def step(xb, yb):
-        with tf.GradientTape() as tape:
-            loss = loss_of(forward(xb), yb)
-        update(dict(zip(names, tape.gradient(loss, [weights[n] for n in names]))))
-        return loss
+    step = _handwritten.train_step(_keras_model(keras, w), mesh, w)
 
     def place(batch):  # one split into the dp pieces; the tp devices of a dp row share one
         if mesh is None:

@@ -74,22 +74,7 @@ def main() -> None:
     fit_step_fn = model.train_function.one_step.traced[0]
 
     tf_mesh = dtensor.create_mesh([("dp", 2), ("tp", 4)], devices=[f"CPU:{i}" for i in range(8)])
-    reference = compare._keras_model(keras, w)
-    if mlp:
-        weights, forward = _handwritten.mlp(reference, tf_mesh)
-        loss_of = lambda out, target: tf.reduce_mean(tf.square(out - target))  # noqa: E731
-    else:
-        weights, forward = _handwritten.gpt(reference, tf_mesh, w["vocab"], w["seq"], w["dim"], w["heads"])
-        loss_of = lambda out, target: _handwritten.sharded_cross_entropy(target, out)  # noqa: E731
-    update = _handwritten.adam(weights, w["lr"])
-    names = sorted(weights)
-
-    @tf.function
-    def hand_step(xb, yb):
-        with tf.GradientTape() as tape:
-            loss = loss_of(forward(xb), yb)
-        update(dict(zip(names, tape.gradient(loss, [weights[k] for k in names]))))
-        return loss
+    hand_step = _handwritten.train_step(compare._keras_model(keras, w), tf_mesh, w)
 
     def place(batch):
         pieces = tf.split(tf.constant(batch), 2)
