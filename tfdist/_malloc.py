@@ -8,7 +8,7 @@ the threshold is *dynamic*: freeing an mmapped block raises it to that block's s
 optimizer buffers all come from arenas -- and TF DTensor runs each logical device on
 a thread of its own, with an arena of its own, whose freed blocks the other devices
 cannot reuse.  On 8 virtual CPUs, data-parallel W1 in ``benchmarks/compare.py``
-peaked 60-90 MB higher than with a fixed 1 MiB threshold, at the same step time
+peaked 65-105 MB higher than with a fixed 1 MiB threshold, at the same step time
 (docs/performance.md).  Capping the number of arenas instead saved as much but
 slowed the small-op GPT workload by 15%; a fixed threshold leaves small blocks in
 their per-thread arenas and only sends the big ones to mmap.

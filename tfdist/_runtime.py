@@ -80,7 +80,7 @@ def virtual_cpus(n: int = 8) -> list[str]:
     again with the same ``n`` is harmless.  With ``n > 1`` on Linux/glibc it also
     fixes malloc's mmap threshold at 1 MiB, so the devices' large buffers go back
     to the OS when freed instead of piling up in per-device-thread arenas
-    (data-parallel peak memory 5-8% lower at the same speed, docs/performance.md);
+    (data-parallel peak memory 5-9% lower at the same speed, docs/performance.md);
     a ``MALLOC_MMAP_THRESHOLD_`` you set yourself is left alone.
 
     Args:

@@ -184,7 +184,8 @@ class BatchFeed:
         threads while the main thread packs the following batch, instead of packing it
         only after Keras has read the step's logs.  Only for a taken-over ``tf.data``
         pipeline, which already reads ``PREFETCH`` batches ahead: the order and content of
-        the batches do not change, and no user code runs earlier than it would anyway."""
+        the batches do not change; code inside the pipeline (a generator, a ``map``) runs
+        one batch further ahead.  An error of the pipeline surfaces here, one step early."""
         if self._ahead is not None or not self.taken_over:
             return
         try:
