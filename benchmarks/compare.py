@@ -145,6 +145,10 @@ class _Clock:
 
 def _keras_callback(base, clock: _Clock):
     class Timer(base):
+        # it only records; so Keras may run it behind the next step where its backend allows
+        # (tfdist on a mesh does; Keras on TF, alone, never does), as it would a progress bar
+        async_safe = True
+
         def on_train_begin(self, logs=None):
             clock.start = time.perf_counter()
 

@@ -98,6 +98,10 @@ PATCHES: tuple[Patch, ...] = (
           "process", "batches fed as DTensors from an eager iterator (TF DTensor cannot lay out IteratorGetNext)"),
     Patch("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer", "make_predict_function", ("self", "force"),
           "process", "predict batches fed as DTensors, outputs gathered"),
+    Patch("keras.src.callbacks.callback_list", "CallbackList", "__init__",
+          ("self", "callbacks", "add_history", "add_progbar", "model", "params"), "process",
+          "for a model on a mesh, batch-end callbacks run after the next step is dispatched, where "
+          "Keras' own rule would run them asynchronously on a thread-safe backend"),
     Patch("tensorflow.python.eager.polymorphic_function.concrete_function", "ConcreteFunction", "_call_flat",
           ("self", "tensor_inputs", "captured_inputs"), "process",
           "plain eager tensors passed to a tf.function on DTensors are replicated onto their mesh "

@@ -31,13 +31,14 @@ if keras.backend.backend() != "tensorflow":
     )
 _patches.check_versions()
 
-from tfdist.keras import _backend, _random_layers, _host_tensors, _optimizer, _trainer, _variables  # noqa: E402
+from tfdist.keras import _backend, _callbacks, _random_layers, _host_tensors, _optimizer, _trainer, _variables  # noqa: E402
 
 # Every change to Keras internals is a row of tfdist._patches.PATCHES.
 _backend.install()
 _variables.install()
 _optimizer.install()
 _trainer.install()
+_callbacks.install()
 _host_tensors.install()
 _random_layers.install()
 

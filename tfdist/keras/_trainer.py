@@ -26,7 +26,7 @@ from tfdist.keras._backend import tfdist_mesh
 from tfdist.tensor.parallel.loss import loss_parallel
 from tfdist.tensor.parallel.style import replicated_batch
 
-__all__ = ["install", "mesh_of", "check_layout_map"]
+__all__ = ["install", "mesh_of", "check_layout_map", "is_distributed"]
 
 
 def distribution_of(model):
@@ -82,7 +82,7 @@ def check_layout_map(model) -> None:
     model._tfdist_layout_map_checked = True
 
 
-def _distributed(model) -> bool:
+def is_distributed(model) -> bool:
     """Variables on a mesh, or (no variables yet) a keras distribution that will put them there."""
     variables = model.variables
     if variables:
@@ -163,7 +163,7 @@ def install() -> None:
     original_predict = _patches.original(trainer + "make_predict_function")
 
     def _make_function(self, step_function):
-        if not _distributed(self):
+        if not is_distributed(self):
             return _explain_stranded(self, original_make(self, step_function))
         check_layout_map(self)
         mesh, batch_axis = mesh_of(self)
@@ -193,7 +193,7 @@ def install() -> None:
         return function
 
     def make_predict_function(self, force=False):
-        if not _distributed(self):
+        if not is_distributed(self):
             return original_predict(self, force=force)
         if self.predict_function is not None and not force:
             return self.predict_function
