@@ -8,9 +8,13 @@ In one process, alternating blocks (the order flips every round), each measured 
 steps after 10 warm-up steps:
 
 - ``fit``: Keras 3 ``fit`` after ``parallelize_module`` (W1: column/row parallel; W2:
-  ``parallelize_gpt``'s default plan, vocabulary-sharded logits), one epoch;
+  ``parallelize_gpt``'s default plan, vocabulary-sharded logits), one epoch, with a callback
+  that watches batch ends (so every step waits for its logs, as Keras 3 on TensorFlow does);
 - ``hand``: the same step by hand in raw TF DTensor (``_handwritten.py``), reading its loss
-  every step as Keras 3's ``fit`` on TensorFlow does (docs/keras.md);
+  every step;
+- ``fit_lagged``: ``fit`` with that callback declared ``async_safe``: its batch-end calls run
+  one step behind (docs/keras.md); ``hand_lagged``: the hand-written loop reading step k's
+  loss after dispatching step k+1; ``hand_unsynced``: reading it only at the two marks;
 - ``feed`` / ``hand_place``: only the batches -- tfdist's ``BatchFeed`` (a tf.data split stage
   plus ``dtensor.pack``) against the hand-written ``tf.split`` + ``dtensor.pack``;
 - ``fit_step`` / ``hand_step``: only the traced step programs, called on one placed batch.
@@ -91,22 +95,32 @@ def main() -> None:
     def now():
         return time.perf_counter(), time.thread_time()
 
-    def run_fit():
+    def run_fit(async_safe: bool):
         marks = []
 
         class Mark(keras.callbacks.Callback):
             def on_train_batch_end(self, batch, logs=None):
                 if batch in (WARMUP - 1, n - 1):
+                    float(logs["loss"])  # step ``batch`` has ended (with a lag, the next is dispatched)
                     marks.append(now())
 
+        Mark.async_safe = async_safe  # False: it watches batch ends, so every step waits for it
         model.fit(x, y, batch_size=b, epochs=1, verbose=0, shuffle=False, callbacks=[Mark()])
         return timed(marks)
 
-    def run_hand():
-        marks = []
+    def run_hand(reads: str):
+        """``every``: reads each step's loss before the next step; ``behind``: reads step k's
+        after dispatching step k+1; ``ends``: only at the two marks."""
+        marks, previous = [], None
         for i in range(n):
-            scalar(hand_step(place(x[i * b:(i + 1) * b]), place(y[i * b:(i + 1) * b])))
+            loss = hand_step(place(x[i * b:(i + 1) * b]), place(y[i * b:(i + 1) * b]))
+            if reads == "every":
+                scalar(loss)
+            elif reads == "behind" and previous is not None:
+                scalar(previous)
+            previous = loss
             if i in (WARMUP - 1, n - 1):
+                scalar(loss)
                 marks.append(now())
         return timed(marks)
 
@@ -142,7 +156,9 @@ def main() -> None:
             return timed(marks)
         return run
 
-    programs = {"fit": run_fit, "hand": run_hand, "feed": run_feed, "hand_place": run_hand_place,
+    programs = {"fit": lambda: run_fit(False), "hand": lambda: run_hand("every"),
+                "fit_lagged": lambda: run_fit(True), "hand_lagged": lambda: run_hand("behind"),
+                "hand_unsynced": lambda: run_hand("ends"), "feed": run_feed, "hand_place": run_hand_place,
                 "fit_step": steps_only(fit_step_fn, fit_batch), "hand_step": steps_only(hand_step, *hand_batch)}
     runs: dict = {p: [] for p in programs}
     for r in range(args.rounds):
@@ -150,7 +166,8 @@ def main() -> None:
             runs[p].append(programs[p]())
     summary = {p: {k: statistics.median(v[k] for v in rs) for k in ("wall_ms", "cpu_ms")} for p, rs in runs.items()}
     pairs = {}
-    for a, c in (("fit", "hand"), ("feed", "hand_place"), ("fit_step", "hand_step")):
+    for a, c in (("fit", "hand"), ("fit_lagged", "hand_lagged"), ("fit_lagged", "hand_unsynced"),
+                 ("fit_lagged", "fit"), ("feed", "hand_place"), ("fit_step", "hand_step")):
         for k in ("wall_ms", "cpu_ms"):
             pairs[f"{a}/{c} {k}"] = statistics.median(p[k] / q[k] for p, q in zip(runs[a], runs[c]))
     commit = os.popen(f"git -C {HERE} rev-parse --short HEAD").read().strip()
