@@ -105,3 +105,41 @@ def test_fit_step_runs_no_more_compute_or_communication_than_the_hand_written_st
     assert fit_counts.get("all_reduce") and hand_counts.get("all_reduce"), (fit_counts, hand_counts)
     assert fit_bytes <= hand_bytes + SCALARS, (fit_counts, fit_bytes, hand_counts, hand_bytes)
     assert sum(fit_counts.values()) <= sum(hand_counts.values()), (fit_counts, hand_counts)
+
+
+def test_steps_go_through_one_concrete_program_per_batch_signature():
+    """fit calls the step's concrete function for each batch signature (not tf.function's
+    per-call lookup); another shape, structure or Python value gets its own, and values it
+    cannot key (composite tensors) go through the tf.function as before."""
+    from tfdist.keras._trainer import _through_concrete
+
+    def step(data):
+        if isinstance(data, dict):
+            return data["a"] * 2.0 + data["b"]
+        x, scale = data
+        if isinstance(x, tf.SparseTensor):
+            return tf.sparse.reduce_sum(x) * scale
+        return tf.reduce_sum(x, axis=0) * scale
+
+    function = tf.function(step, reduce_retracing=True)
+    lookups = []
+    concrete = function.get_concrete_function
+
+    class Spy:
+        def get_concrete_function(self, data):
+            lookups.append(1)
+            return concrete(data)
+
+        def __call__(self, data):
+            return function(data)
+
+    call = _through_concrete(Spy())
+    batches = [(tf.constant(X[:4]), 2.0), (tf.constant(X[4:8]), 2.0), (tf.constant(X[:6]), 2.0),
+               (tf.constant(X[:4]), 3.0), {"a": tf.constant(X[:4]), "b": tf.constant(X[4:8])},
+               (tf.constant(X[8:12]), 2.0)]
+    for data in batches:
+        np.testing.assert_allclose(call(data).numpy(), step(data).numpy(), rtol=1e-6)
+    assert len(lookups) == 4  # (4,16)x2.0, (6,16)x2.0, (4,16)x3.0, the dict; repeats reuse theirs
+    sparse = tf.sparse.from_dense(tf.constant(X[:2]))
+    assert float(call((sparse, 2.0))) == pytest.approx(float(X[:2].sum() * 2.0), rel=1e-5)
+    assert len(lookups) == 4

@@ -14,6 +14,7 @@ unchanged.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import keras
 import numpy as np
@@ -126,6 +127,47 @@ def _loss_parallel(function):
     return run
 
 
+class _Unkeyed(Exception):
+    """A batch holds a value ``_signature`` does not key (a composite tensor, an array)."""
+
+
+def _signature(data) -> Any:
+    """A hashable key of ``data``'s structure, shapes and dtypes (the layouts of the batches a
+    step gets are fixed by its mesh, batch dim and even/partial split)."""
+    if isinstance(data, dict):
+        return tuple((k, _signature(v)) for k, v in sorted(data.items()))
+    if isinstance(data, (list, tuple)):
+        return type(data), tuple(_signature(v) for v in data)
+    if isinstance(data, tf.Tensor):
+        return tuple(data.shape), data.dtype
+    if data is None or isinstance(data, (bool, int, float, str)):
+        return type(data), data
+    raise _Unkeyed
+
+
+def _through_concrete(function):
+    """``function`` (a ``tf.function`` of one batch) called through the concrete function
+    traced for each batch signature.  ``tf.function``'s own per-call lookup matches the
+    DTensor arguments' trace types against its cache, which costs the main thread 0.3 ms
+    per step (W1 and W2 of benchmarks/compare.py, 1.3 against 1.0 ms of dispatch CPU);
+    a dict lookup on shapes does not.  A new signature goes through ``function`` once,
+    which traces or relaxes as usual."""
+    concrete: dict = {}
+
+    def call(data):
+        try:
+            key = _signature(data)
+        except _Unkeyed:
+            return function(data)
+        program = concrete.get(key)
+        if program is None:
+            program = concrete[key] = function.get_concrete_function(data)
+        return program(data)
+
+    call.__wrapped__ = function
+    return call
+
+
 def _by_batch_split(step_function, run_eagerly: bool, mesh, batch_axis, sharded_logits: bool = False):
     """``step_function`` on sharded batches; a batch that does not split evenly over the
     data-parallel dim runs replicated (``replicated_batch``) in its own traced function.
@@ -136,7 +178,8 @@ def _by_batch_split(step_function, run_eagerly: bool, mesh, batch_axis, sharded_
     """
     traced = (step_function if run_eagerly else tf.function(step_function, reduce_retracing=True),
               step_function if run_eagerly else tf.function(step_function))
-    even, partial = (_loss_parallel(f) for f in traced) if sharded_logits else traced
+    called = traced if run_eagerly else tuple(_through_concrete(f) for f in traced)
+    even, partial = (_loss_parallel(f) for f in called) if sharded_logits else called
 
     def step(data, splits_evenly=None):
         """One step on ``data``: host batches, or batches ``BatchFeed`` placed (then pass
