@@ -17,13 +17,13 @@ def test_a_2x4_mesh_slices_each_batch_tensor_twice_not_eight_times(monkeypatch):
     mesh = tfdist.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
     x = np.arange(16 * 3, dtype=np.float32).reshape(16, 3)
     packed_blocks = []
-    pack = dtensor.pack
+    pack = _data._pack_blocks
 
-    def spy(blocks, layout):
+    def spy(blocks, *layout):
         packed_blocks.append(list(blocks))
-        return pack(blocks, layout)
+        return pack(blocks, *layout)
 
-    monkeypatch.setattr(_data.dtensor, "pack", spy)
+    monkeypatch.setattr(_data, "_pack_blocks", spy)
     out = _data.shard_batch({"x": tf.constant(x)}, mesh, 0)["x"]
     (blocks,) = packed_blocks
     assert len(blocks) == 8 and len({id(b) for b in blocks}) == 2  # one piece per dp coordinate
@@ -55,8 +55,8 @@ def test_the_feed_splits_in_tf_data_and_places_by_coordinate(monkeypatch):
     ds, xs = _batches(16, 8, 5)
     source = iter(ds)
     packed = []
-    pack = dtensor.pack
-    monkeypatch.setattr(_data.dtensor, "pack", lambda blocks, layout: packed.append(list(blocks)) or pack(blocks, layout))
+    pack = _data._pack_blocks
+    monkeypatch.setattr(_data, "_pack_blocks", lambda blocks, *layout: packed.append(list(blocks)) or pack(blocks, *layout))
     feed = _data.BatchFeed(source, mesh, 0, fresh=True)
     assert feed.taken_over
     got = list(feed)
@@ -72,6 +72,51 @@ def test_the_feed_splits_in_tf_data_and_places_by_coordinate(monkeypatch):
     np.testing.assert_array_equal(_data.gather_to_numpy(x), xs[2])
     np.testing.assert_array_equal(_data.gather_to_numpy(y), xs[2] * 10)
     assert len(list(source)) == 3  # Keras' own iterator (and its autotuner) never advanced
+
+
+def test_packing_a_batch_equals_dtensor_pack(monkeypatch):
+    """The feed's pack (the kernel ``dtensor.pack`` calls, with the layout printed once) gives
+    what ``dtensor.pack`` gives -- layout and every device's block; the first pack of a layout
+    on a DTensor device goes through ``dtensor.pack``, which registers the mesh there."""
+    mesh = tfdist.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+    x = np.arange(8 * 3, dtype=np.float32).reshape(8, 3)
+    pieces = tf.split(tf.constant(x), 2)
+    layout, text = _data._batch_layout(mesh, 0, 2)
+    blocks = [pieces[c[0]] for c in mesh.local_coordinates()]
+    want = dtensor.pack(blocks, layout)
+    through_pack = []
+    pack = dtensor.pack
+    monkeypatch.setattr(_data, "_REGISTERED", {})  # as on a DTensor device that never saw the layout
+    monkeypatch.setattr(_data.dtensor, "pack", lambda *a: through_pack.append(1) or pack(*a))
+    for _ in range(3):
+        got = _data._pack_blocks(blocks, layout, text)
+        assert dtensor.fetch_layout(got) == layout
+        for g, w in zip(dtensor.unpack(got), dtensor.unpack(want)):
+            np.testing.assert_array_equal(g.numpy(), w.numpy())
+        assert float(tf.reduce_sum(got)) == float(x.sum())  # an op on the mesh takes it
+    assert through_pack == [1]
+
+
+def test_the_feed_places_dicts_scalars_and_nests_in_their_structure():
+    """A dict batch with a nested tuple and a per-batch scalar comes out of the flat staged
+    pipeline in its own structure: batched leaves sharded, the scalar replicated; reference:
+    numpy's split of the rows."""
+    mesh = tfdist.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+    rows = np.arange(12 * 2, dtype=np.float32).reshape(12, 2)
+    ds = tf.data.Dataset.from_tensor_slices(rows).batch(4).map(
+        lambda r: {"z": (r, r[:, :1] * 2.0), "a": tf.cast(tf.shape(r)[0], tf.float32)})
+    feed = _data.BatchFeed(iter(ds), mesh, 0, fresh=True)
+    assert feed.taken_over
+    got = list(feed)
+    assert len(got) == 3 and all(even for _, even in got)
+    for i, (batch, _) in enumerate(got):
+        assert sorted(batch) == ["a", "z"]
+        assert dtensor.fetch_layout(batch["a"]).is_fully_replicated() and float(batch["a"]) == 4.0
+        want = rows[4 * i:4 * i + 4]
+        for t, w in ((batch["z"][0], want), (batch["z"][1], want[:, :1] * 2.0)):
+            pieces = np.split(w, 2)
+            for block, coord in zip(dtensor.unpack(t), mesh.local_coordinates()):
+                np.testing.assert_array_equal(block.numpy(), pieces[coord[0]])
 
 
 def test_the_feed_leaves_iterators_it_cannot_extend_alone():

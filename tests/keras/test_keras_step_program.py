@@ -143,3 +143,48 @@ def test_steps_go_through_one_concrete_program_per_batch_signature():
     sparse = tf.sparse.from_dense(tf.constant(X[:2]))
     assert float(call((sparse, 2.0))) == pytest.approx(float(X[:2].sum() * 2.0), rel=1e-5)
     assert len(lookups) == 4
+
+
+def test_concrete_programs_are_called_on_flat_tensors_with_their_captures_up_to_date():
+    """The per-signature call skips TensorFlow's argument binding: each step hands the flat
+    tensors of the batch (dict keys in tf.nest order, None and Python values left out) to the
+    concrete program.  Captured variables are the same handles every step, so their updates
+    are seen; a capture resolved per call is resolved per call (that program keeps
+    ``__call__``)."""
+    from tensorflow.python.eager.polymorphic_function.concrete_function import ConcreteFunction
+
+    from tfdist.keras._trainer import _through_concrete
+
+    counter = tf.Variable(0.0)
+
+    def step(data):
+        counter.assign_add(1.0)
+        if isinstance(data, dict):
+            return data["z"] * 10.0 - data["a"] + counter
+        x, weight, scale = data
+        return tf.reduce_sum(x, axis=0) * scale + (0.0 if weight is None else tf.reduce_sum(weight)) + counter
+
+    call = _through_concrete(tf.function(step))
+    a, z = tf.constant(X[:4]), tf.constant(X[4:8])
+    for i in range(1, 4):
+        got = call((a, None, 2.0)).numpy()
+        np.testing.assert_allclose(got, X[:4].sum(0) * 2.0 + i, rtol=1e-6)
+    got = call({"z": z, "a": a}).numpy()  # inserted out of tf.nest's (sorted) key order
+    np.testing.assert_allclose(got, X[4:8] * 10.0 - X[:4] + 4.0, rtol=1e-6)
+    got = call((a, tf.constant([1.0, 2.0]), 1.0)).numpy()
+    np.testing.assert_allclose(got, X[:4].sum(0) + 3.0 + 5.0, rtol=1e-6)
+    assert len(call.programs) == 3
+    assert not any(isinstance(p, ConcreteFunction) for p in call.programs.values())
+
+    offset = [1.0]
+
+    @tf.function
+    def late(x):
+        graph = tf.compat.v1.get_default_graph()
+        return x + graph.capture_call_time_value(lambda: tf.constant(offset[0]), tf.TensorSpec([], tf.float32))
+
+    late_call = _through_concrete(late)
+    assert float(late_call(tf.constant(1.0))) == 2.0
+    offset[0] = 5.0
+    assert float(late_call(tf.constant(1.0))) == 6.0
+    assert all(isinstance(p, ConcreteFunction) for p in late_call.programs.values())

@@ -23,7 +23,12 @@ from typing import Any, Iterator
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.dtensor.python import api as dtensor_api
 from tensorflow.experimental import dtensor
+from tensorflow.python import _pywrap_dtensor_device
+from tensorflow.python.eager import context, core
+from tensorflow.python.framework import ops
+from tensorflow.python.ops import gen_dataset_ops
 
 from tfdist.device_mesh import DeviceMesh
 from tfdist.tensor._redistribute import relayout
@@ -51,9 +56,11 @@ def _piece_of_device(mesh: DeviceMesh, batch_axis: int) -> tuple[int, ...]:
 
 
 @functools.lru_cache(maxsize=256)
-def _batch_layout(mesh: DeviceMesh, batch_axis: int, rank: int) -> dtensor.Layout:
-    """A rank-``rank`` layout sharded on dim 0 over the batch mesh dim (built once, not per step)."""
-    return dtensor.Layout([mesh.axis_names[batch_axis]] + [dtensor.UNSHARDED] * (rank - 1), mesh.to_tf())
+def _batch_layout(mesh: DeviceMesh, batch_axis: int, rank: int) -> tuple[dtensor.Layout, str]:
+    """A rank-``rank`` layout sharded on dim 0 over the batch mesh dim, and its string (built
+    once, not per step)."""
+    layout = dtensor.Layout([mesh.axis_names[batch_axis]] + [dtensor.UNSHARDED] * (rank - 1), mesh.to_tf())
+    return layout, layout.to_string()
 
 
 def _pack_pieces(pieces, mesh: DeviceMesh, batch_axis: int) -> tf.Tensor:
@@ -62,7 +69,32 @@ def _pack_pieces(pieces, mesh: DeviceMesh, batch_axis: int) -> tf.Tensor:
     Devices that share a batch coordinate (the tp devices of a 2x4 mesh) receive the same
     piece, so a 2x4 mesh slices each tensor twice, not eight times."""
     blocks = [pieces[i] for i in _piece_of_device(mesh, batch_axis)]
-    return dtensor.pack(blocks, _batch_layout(mesh, batch_axis, pieces[0].shape.rank))
+    return _pack_blocks(blocks, *_batch_layout(mesh, batch_axis, pieces[0].shape.rank))
+
+
+_REGISTERED: dict[str, Any] = {}  # layout string -> the DTensor device dtensor.pack registered its mesh on
+
+
+def _pack_blocks(blocks: list, layout: dtensor.Layout, layout_string: str) -> tf.Tensor:
+    """``dtensor.pack(blocks, layout)``, without what ``pack`` redoes on every call.
+
+    Per call ``pack`` builds the layout's mesh object, hashes it (a proto serialization) to
+    check that the device knows it, and prints the layout; together 25 of its 45 us on a
+    2x4 mesh, several times that on a step's busy main thread.  The first pack of a layout
+    on a DTensor device goes through ``dtensor.pack`` (which registers the mesh); the next
+    ones call the same kernel (``_pywrap_dtensor_device.Pack``, what ``pack`` ends in) with
+    the layout's string printed once."""
+    device = dtensor_api._dtensor_device()
+    if _REGISTERED.get(layout_string) is not device:
+        packed = dtensor.pack(blocks, layout)
+        _REGISTERED[layout_string] = device
+        return packed
+    with ops.device(device.name):
+        try:
+            return _pywrap_dtensor_device.Pack(context.context()._handle, blocks, layout_string,
+                                               device._device_info, False)
+        except core._NotOkStatusException as error:
+            raise core._status_to_exception(error) from None
 
 
 def splits_evenly(data: Any, mesh: DeviceMesh, batch_axis: int | None) -> bool:
@@ -119,23 +151,38 @@ def _takes_over(iterator) -> bool:
 
 
 def _split_stage(k: int):
-    """tf.data map: each batched leaf -> (its batch size, its k pieces).  A batch that does not
-    split evenly (an epoch's last) is zero-padded up to a multiple of k here and cut back to its
-    size when it is placed, replicated; the even batches pay nothing for that."""
+    """tf.data map: a batch -> one flat tuple: whether every batched leaf splits evenly over
+    the k data-parallel pieces, then per leaf its batch size and k pieces (a scalar leaf: the
+    scalar).  A batch that does not split evenly (an epoch's last) is zero-padded up to a
+    multiple of k here and cut back to its size when it is placed, replicated; the even
+    batches pay nothing for that.  Flat, so the feed reads it without rebuilding a nest, and
+    the step loop converts one flag, not a size per leaf."""
 
     def split(*element):
-        out = []
+        out, sizes = [], []
         for leaf in tf.nest.flatten(element):
             if leaf.shape.rank == 0:
-                out.append((leaf,))
+                out.append(leaf)
                 continue
             n = tf.shape(leaf)[0]
+            sizes.append(n)
             pad = (k - n % k) % k
             padded = tf.pad(leaf, [[0, pad]] + [[0, 0]] * (leaf.shape.rank - 1))
-            out.append((n, *tf.split(padded, k)))
-        return tuple(out)
+            out += [n, *tf.split(padded, k)]
+        even = tf.reduce_all(tf.stack([n % k == 0 for n in sizes])) if sizes else tf.constant(True)
+        return (even, *out)
 
     return split
+
+
+def _leaf_slices(spec, k: int) -> list[slice]:
+    """Where each leaf of a batch of ``spec`` sits in ``_split_stage``'s flat tuple."""
+    slices, at = [], 1
+    for leaf in tf.nest.flatten(spec):
+        width = 1 if leaf.shape.rank == 0 else 1 + k
+        slices.append(slice(at, at + width))
+        at += width
+    return slices
 
 
 class BatchFeed:
@@ -171,8 +218,10 @@ class BatchFeed:
             self._spec = dataset.element_spec
             options = tf.data.Options()
             options.autotune.enabled = False
-            staged = dataset.map(_split_stage(mesh.shape[batch_axis])).prefetch(PREFETCH).with_options(options)
+            k = mesh.shape[batch_axis]
+            staged = dataset.map(_split_stage(k)).prefetch(PREFETCH).with_options(options)
             self._iterator: Iterator = iter(staged)
+            self._leaves = _leaf_slices(self._spec, k)
         else:
             self._iterator = iterator
         self._ahead: tuple | None = None  # a batch placed early by place_next: (batch,), or () at the end
@@ -206,19 +255,34 @@ class BatchFeed:
         return self._next_placed()
 
     def _next_placed(self) -> tuple[Any, bool]:
-        element = next(self._iterator)
         if not self.taken_over:
+            element = next(self._iterator)
             even = splits_evenly(element, self.mesh, self.batch_axis)
             return shard_batch(element, self.mesh, self.batch_axis), even
-        sizes = [int(leaf[0]) for leaf in element if len(leaf) > 1]
-        k = self.mesh.shape[self.batch_axis]
-        even = all(n % k == 0 for n in sizes)
-        return tf.nest.pack_sequence_as(self._spec, [self._place(leaf, even) for leaf in element]), even
+        flat = self._get_next()
+        even = bool(flat[0])
+        leaves = [self._place(flat[at], even) for at in self._leaves]
+        return tf.nest.pack_sequence_as(self._spec, leaves), even
 
-    def _place(self, leaf: tuple, even: bool) -> tf.Tensor:
+    def _get_next(self) -> list:
+        """The staged iterator's next element, flat: ``IteratorGetNext`` as the iterator's own
+        ``next`` runs it, without rebuilding the element's nest (``_split_stage`` made it
+        flat).  An iterator without those internals is read with ``next``."""
+        iterator = self._iterator
+        resource = getattr(iterator, "_iterator_resource", None)
+        if resource is None:
+            return list(next(iterator))
+        try:
+            with context.execution_mode(context.SYNC):  # its end comes as an error, so not async
+                return gen_dataset_ops.iterator_get_next(resource, output_types=iterator._flat_output_types,
+                                                         output_shapes=iterator._flat_output_shapes)
+        except tf.errors.OutOfRangeError:
+            raise StopIteration from None
+
+    def _place(self, leaf: list, even: bool) -> tf.Tensor:
         if len(leaf) == 1:  # a scalar: replicated
             return _pack(leaf[0], self.mesh, None)
-        n, pieces = int(leaf[0]), leaf[1:]
+        n, pieces = leaf[0], leaf[1:]
         if even:
             return _pack_pieces(pieces, self.mesh, self.batch_axis)
-        return _pack(tf.concat(pieces, 0)[:n], self.mesh, None)  # the epoch's partial batch, whole
+        return _pack(tf.concat(pieces, 0)[:int(n)], self.mesh, None)  # the epoch's partial batch, whole
