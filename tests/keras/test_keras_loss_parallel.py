@@ -175,3 +175,32 @@ def test_fit_computes_the_loss_on_sharded_logits_without_a_loss_parallel_block()
     got = train(model)
     np.testing.assert_allclose(got, want, rtol=1e-5)
     assert max_weight_diff(ref, model) < 1e-5
+
+
+def test_fit_enters_loss_parallel_to_trace_its_steps_not_to_run_them(monkeypatch):
+    """The sharded cross-entropy is in the traced step program; running it again needs no
+    ``loss_parallel()`` block (its patches would be swapped in and out on every step).  fit
+    enters it once per traced program, and the losses stay one device's."""
+    from keras_helpers import DenseAdam
+    from tfdist.keras import _trainer
+    from tfdist.models import GPT, parallelize_gpt
+
+    ids, nxt = RNG.integers(0, 32, (40, 8)), RNG.integers(0, 32, (40, 8))
+
+    def train(model):
+        model.compile(optimizer=DenseAdam(1e-2), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model.fit(ids, nxt, batch_size=8, epochs=2, shuffle=False, verbose=0).history["loss"]
+
+    keras.utils.set_random_seed(0)
+    ref = GPT(32, 8, dim=16, heads=4, depth=1)
+    ref(ids[:1])
+    want = train(ref)
+    keras.utils.set_random_seed(0)
+    model = GPT(32, 8, dim=16, heads=4, depth=1)
+    model(ids[:1])
+    model = parallelize_gpt(model, tfdist.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp")))
+    entered = []
+    block = _trainer.loss_parallel
+    monkeypatch.setattr(_trainer, "loss_parallel", lambda: entered.append(1) or block())
+    np.testing.assert_allclose(train(model), want, rtol=1e-5)
+    assert len(entered) == 1  # 10 steps over 2 epochs, one batch signature: one trace

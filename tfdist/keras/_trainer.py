@@ -13,6 +13,7 @@ unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from typing import Any
 
@@ -115,9 +116,10 @@ def _explain_stranded(model, function):
 
 
 def _loss_parallel(function):
-    """``function`` traced (and run) inside ``loss_parallel()``, for models whose plan leaves
-    class-sharded logits for it (``gpt_tp_plan``'s default): their sparse cross-entropy then
-    never gathers the logits; other losses are untouched."""
+    """``function`` run inside ``loss_parallel()``, for models whose plan leaves class-sharded
+    logits for it (``gpt_tp_plan``'s default): their sparse cross-entropy then never gathers
+    the logits; other losses are untouched.  For ``run_eagerly``, where every call computes
+    the loss anew; traced steps enter it only while tracing (``_through_concrete``)."""
 
     def run(*args):
         with loss_parallel():
@@ -176,23 +178,27 @@ def _tensors_of(data) -> list:
     return [t for t in tf.nest.flatten(data) if isinstance(t, tf.Tensor)]
 
 
-def _through_concrete(function):
+def _through_concrete(function, tracing=contextlib.nullcontext):
     """``function`` (a ``tf.function`` of one batch) called through the concrete function
     traced for each batch signature, on its flat tensors (``_flat_caller``).
     ``tf.function``'s own per-call lookup matches the DTensor arguments' trace types against
     its cache, which costs the main thread 0.3 ms per step (W1 and W2 of
     benchmarks/compare.py, 1.3 against 1.0 ms of dispatch CPU); a dict lookup on shapes does
-    not.  A new signature goes through ``function`` once, which traces or relaxes as usual."""
+    not.  A new signature goes through ``function`` once, which traces or relaxes as usual,
+    inside ``tracing()`` (``loss_parallel``: what the traced program computes is fixed then,
+    so a traced program's call does not enter it again)."""
     concrete: dict = {}
 
     def call(data):
         try:
             key = _signature(data)
         except _Unkeyed:
-            return function(data)
+            with tracing():
+                return function(data)
         program = concrete.get(key)
         if program is None:
-            program = concrete[key] = _flat_caller(function.get_concrete_function(data), data)
+            with tracing():
+                program = concrete[key] = _flat_caller(function.get_concrete_function(data), data)
         return program(data)
 
     call.__wrapped__ = function
@@ -210,8 +216,11 @@ def _by_batch_split(step_function, run_eagerly: bool, mesh, batch_axis, sharded_
     """
     traced = (step_function if run_eagerly else tf.function(step_function, reduce_retracing=True),
               step_function if run_eagerly else tf.function(step_function))
-    called = traced if run_eagerly else tuple(_through_concrete(f) for f in traced)
-    even, partial = (_loss_parallel(f) for f in called) if sharded_logits else called
+    if run_eagerly:
+        even, partial = (_loss_parallel(f) for f in traced) if sharded_logits else traced
+    else:
+        even, partial = (_through_concrete(f, loss_parallel if sharded_logits else contextlib.nullcontext)
+                         for f in traced)
 
     def step(data, splits_evenly=None):
         """One step on ``data``: host batches, or batches ``BatchFeed`` placed (then pass
