@@ -96,6 +96,29 @@ def test_tf_nn_counterparts(fn):
         check(loss_fn, SOFT)
 
 
+def test_masked_vocabulary_minus_inf_logits_stay_finite():
+    """-inf logits of non-target classes (a masked vocabulary) on every shard: the loss and its
+    gradient are finite and equal numpy's log-softmax (the masked classes get zero gradient)."""
+    logits = LOGITS.copy()
+    masked = np.ones_like(logits, bool)
+    masked[np.arange(B)[:, None], np.arange(S)[None, :], LABELS] = False
+    masked &= (np.arange(C) % 3 == 1)  # some classes of each of the 4 shards
+    logits[masked] = -np.inf
+    finite = np.where(masked, -np.inf, logits)
+    peak = finite.max(-1, keepdims=True)
+    log_softmax = finite - peak - np.log(np.exp(finite - peak).sum(-1, keepdims=True))
+    want = -np.take_along_axis(log_softmax, LABELS[..., None], -1)[..., 0].mean()
+    want_grad = (np.exp(log_softmax) - ONE_HOT) / (B * S)
+    mesh = tfdist.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+    logits_d = distribute_tensor(tf.constant(logits), mesh, [Shard(0), Shard(2)]).to_tf()
+    labels_d = distribute_tensor(tf.constant(LABELS), mesh, [Shard(0), Replicate()]).to_tf()
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    with loss_parallel():
+        got, got_grad = tf.function(lambda a, b: value_and_grad(loss_fn, a, b, None))(labels_d, logits_d)
+    np.testing.assert_allclose(gather_to_numpy(got), want, rtol=1e-12)
+    np.testing.assert_allclose(gather_to_numpy(got_grad), want_grad, atol=1e-12)
+
+
 def test_class_weights_in_fit_equal_one_device():
     """fit(class_weight=...) with loss_parallel on vocabulary-sharded logits."""
     from keras_helpers import DenseAdam, max_weight_diff

@@ -188,6 +188,37 @@ def test_embedding_colwise_and_rowwise_equal_replicated():
     mask = np.ones(bad.shape, bool)
     mask[1, 2] = False
     np.testing.assert_allclose(rows[mask], ref.row(IDS[:8]).numpy()[mask], atol=1e-6)
+    bad[3, 0] = -1  # below the range too
+    rows = gather_to_numpy(tf.function(lambda a: model.row(a))(shard_batch(tf.constant(bad), m, 0)))
+    assert np.isnan(rows[1, 2]).all() and np.isnan(rows[3, 0]).all()
+    assert np.isfinite(np.delete(rows.reshape(-1, 16), [1 * S + 2, 3 * S], axis=0)).all()
+
+
+def test_rowwise_embedding_gradient_is_the_scatter_of_its_output_gradient():
+    """d(sum(w * lookup(ids)))/d table = scatter-add of w over the ids (numpy), each row on its
+    own device: ids of every shard, repeated ids, and the first and last row of each shard."""
+    keras.utils.set_random_seed(0)
+    layer = keras.layers.Embedding(V, 16)
+    layer.build((None, S))
+    table = layer.embeddings.numpy()
+    parallelize_module(layer, mesh((2, 4))["tp"], RowwiseParallel())
+    ids = IDS[:8].copy()
+    ids[0, :4] = [0, V // 4 - 1, V // 4, V - 1]
+    ids[1, :3] = 5  # repeated
+    w = RNG.standard_normal((8, S, 16)).astype("float32")
+
+    @tf.function
+    def grads(a, weight):
+        with tf.GradientTape() as tape:
+            out = layer(a)
+            loss = tf.reduce_sum(out * weight)
+        return out, tape.gradient(loss, layer.embeddings.value)
+
+    out, g = grads(shard_batch(tf.constant(ids), mesh((2, 4)), 0), shard_batch(tf.constant(w), mesh((2, 4)), 0))
+    want = np.zeros_like(table)
+    np.add.at(want, ids.reshape(-1), w.reshape(-1, 16))
+    np.testing.assert_allclose(gather_to_numpy(out), table[ids], atol=1e-6)
+    np.testing.assert_allclose(gather_to_numpy(g), want, atol=1e-5)
 
 
 def test_prepare_module_input_and_output():

@@ -106,11 +106,16 @@ def partial_lookup(ctx, ids: tf.Tensor, table: tf.Tensor) -> tf.Tensor:
                 None, None, f"Embedding lookup: id {low if low < 0 else high} is not in [0, {vocab})."
             )
     rank = ids.shape.rank
-    ids_layout = _stacked_layout(ctx, rank)
     offsets = tf.reshape(tf.range(parts, dtype=tf.int32) * rows, [parts] + [1] * rank)
     local = tf.expand_dims(ids, 0) - offsets
-    mine = dtensor.relayout(tf.logical_and(local >= 0, local < rows), ids_layout)
-    local = dtensor.relayout(tf.where(mine, local, tf.zeros_like(local)), ids_layout)
+    mine = tf.logical_and(local >= 0, local < rows)
+    # Each device's rows are padded with a zero row (index ``rows``: an id another device owns)
+    # and a NaN row (``rows + 1``: an id no device owns), so the gather alone gives the Partial:
+    # no mask product over [batch, seq, dim], forward or backward.  NaN, not an error: raising
+    # inside a traced DTensor step would poison TF's collective executor for the process.
+    owned = tf.logical_and(ids >= 0, ids < vocab)
+    elsewhere = tf.where(owned, rows, rows + 1)
+    index = dtensor.relayout(tf.where(mine, local, tf.expand_dims(elsewhere, 0)), _stacked_layout(ctx, rank))
     lead = "abcefghijklmnopqsuvwxyz"[:rank]
     table_layout = dtensor.fetch_layout(local_table) if tf.executing_eagerly() else None
 
@@ -119,22 +124,22 @@ def partial_lookup(ctx, ids: tf.Tensor, table: tf.Tensor) -> tf.Tensor:
         def grad(dy):
             # TF's gradient of a batched gather scatters into the whole [V, D] table and
             # all-reduces it; each device's rows are instead a product with its own one-hot
-            # block (transient, backward only), summed over the batch.
-            one_hot = dtensor.relayout(tf.one_hot(local, rows, dtype=dy.dtype), _stacked_layout(ctx, rank + 1))
+            # block (transient, backward only), summed over the batch.  The pad indices
+            # (>= rows) have all-zero one-hot rows: no gradient reaches them.
+            one_hot = dtensor.relayout(tf.one_hot(index, rows, dtype=dy.dtype), _stacked_layout(ctx, rank + 1))
             dtable = tf.einsum(f"t{lead}r,t{lead}d->trd", one_hot, dy)
             return dtable if table_layout is None else dtensor.relayout(dtable, table_layout)
 
-        return tf.gather(local_table, local, axis=1, batch_dims=1), grad
+        return tf.gather(_padded(local_table), index, axis=1, batch_dims=1), grad
 
-    rows_out = lookup(local_table)
-    y = rows_out * tf.cast(tf.expand_dims(mine, -1), rows_out.dtype)
-    if not tf.executing_eagerly() and y.dtype.is_floating:
-        # an id no device owns: NaN rows, not a silent zero vector.  Raising inside a traced
-        # DTensor step would poison TF's collective executor for the rest of the process.
-        owned = tf.logical_and(ids >= 0, ids < vocab)
-        nan = tf.constant(float("nan"), y.dtype)
-        y = y * tf.expand_dims(tf.expand_dims(tf.where(owned, tf.ones_like(ids, y.dtype), nan), 0), -1)
-    return dtensor.relayout(y, _stacked_layout(ctx, rank + 1))
+    return dtensor.relayout(lookup(local_table), _stacked_layout(ctx, rank + 1))
+
+
+def _padded(local_table: tf.Tensor) -> tf.Tensor:
+    """``[T, rows, D]`` -> ``[T, rows + 2, D]``: a zero row, then a NaN row (zero for integer tables)."""
+    zero = tf.zeros_like(local_table[:, :1])
+    missing = zero + tf.constant(float("nan"), zero.dtype) if zero.dtype.is_floating else zero
+    return tf.concat([local_table, zero, missing], axis=1)
 
 
 def resolve_partial(ctx, stacked: tf.Tensor, placements: Sequence[Placement]) -> tf.Tensor:

@@ -5,7 +5,7 @@ Keras (``keras.losses.sparse_categorical_crossentropy``,
 ``SparseCategoricalCrossentropy`` in ``model.fit``, ``ignore_class``
 included) and ``tf.nn.sparse_softmax_cross_entropy_with_logits`` are
 computed as ``logsumexp(logits) - logits[target]`` with the target logit
-picked by a one-hot product.  Dense labels (``CategoricalCrossentropy(
+picked by a one-hot product (``multiply_no_nan``).  Dense labels (``CategoricalCrossentropy(
 from_logits=True)``, label smoothing included, and
 ``tf.nn.softmax_cross_entropy_with_logits``) need nothing: TF DTensor's own
 kernel already reduces a sharded class dim without gathering it (tested).
@@ -42,10 +42,11 @@ def sharded_cross_entropy(labels: tf.Tensor, logits: tf.Tensor, axis: int = -1) 
     _check_labels(labels, classes)
     peak = tf.stop_gradient(tf.reduce_max(logits, axis=axis, keepdims=True))
     lse = tf.math.log(tf.reduce_sum(tf.exp(logits - peak), axis=axis)) + tf.squeeze(peak, axis)
-    one_hot = tf.one_hot(tf.cast(labels, tf.int32), classes, on_value=True, off_value=False, axis=axis)
-    # where, not one_hot * logits: a -inf logit of another class (vocabulary masking) must not
-    # turn into 0 * -inf = NaN
-    picked = tf.reduce_sum(tf.where(one_hot, logits, tf.zeros_like(logits)), axis=axis)
+    one_hot = tf.one_hot(tf.cast(labels, tf.int32), classes, dtype=logits.dtype, axis=axis)
+    # multiply_no_nan, not one_hot * logits: a -inf logit of another class (vocabulary masking)
+    # must not turn into 0 * -inf = NaN.  One op each way (a where is a select plus a zeros
+    # tensor forward, and two selects backward).
+    picked = tf.reduce_sum(tf.math.multiply_no_nan(logits, one_hot), axis=axis)
     loss = lse - picked
     if not tf.executing_eagerly():
         # An out-of-range label's one-hot is all zeros: a finite, wrong loss.  Raising inside a
