@@ -109,13 +109,7 @@ def partial_lookup(ctx, ids: tf.Tensor, table: tf.Tensor) -> tf.Tensor:
     offsets = tf.reshape(tf.range(parts, dtype=tf.int32) * rows, [parts] + [1] * rank)
     local = tf.expand_dims(ids, 0) - offsets
     mine = tf.logical_and(local >= 0, local < rows)
-    # Each device's rows are padded with a zero row (index ``rows``: an id another device owns)
-    # and a NaN row (``rows + 1``: an id no device owns), so the gather alone gives the Partial:
-    # no mask product over [batch, seq, dim], forward or backward.  NaN, not an error: raising
-    # inside a traced DTensor step would poison TF's collective executor for the process.
-    owned = tf.logical_and(ids >= 0, ids < vocab)
-    elsewhere = tf.where(owned, rows, rows + 1)
-    index = dtensor.relayout(tf.where(mine, local, tf.expand_dims(elsewhere, 0)), _stacked_layout(ctx, rank))
+    index = dtensor.relayout(tf.where(mine, local, tf.zeros_like(local)), _stacked_layout(ctx, rank))
     lead = "abcefghijklmnopqsuvwxyz"[:rank]
     table_layout = dtensor.fetch_layout(local_table) if tf.executing_eagerly() else None
 
@@ -124,22 +118,24 @@ def partial_lookup(ctx, ids: tf.Tensor, table: tf.Tensor) -> tf.Tensor:
         def grad(dy):
             # TF's gradient of a batched gather scatters into the whole [V, D] table and
             # all-reduces it; each device's rows are instead a product with its own one-hot
-            # block (transient, backward only), summed over the batch.  The pad indices
-            # (>= rows) have all-zero one-hot rows: no gradient reaches them.
+            # block (transient, backward only), summed over the batch.
             one_hot = dtensor.relayout(tf.one_hot(index, rows, dtype=dy.dtype), _stacked_layout(ctx, rank + 1))
             dtable = tf.einsum(f"t{lead}r,t{lead}d->trd", one_hot, dy)
             return dtable if table_layout is None else dtensor.relayout(dtable, table_layout)
 
-        return tf.gather(_padded(local_table), index, axis=1, batch_dims=1), grad
+        return tf.gather(local_table, index, axis=1, batch_dims=1), grad
 
-    return dtensor.relayout(lookup(local_table), _stacked_layout(ctx, rank + 1))
-
-
-def _padded(local_table: tf.Tensor) -> tf.Tensor:
-    """``[T, rows, D]`` -> ``[T, rows + 2, D]``: a zero row, then a NaN row (zero for integer tables)."""
-    zero = tf.zeros_like(local_table[:, :1])
-    missing = zero + tf.constant(float("nan"), zero.dtype) if zero.dtype.is_floating else zero
-    return tf.concat([local_table, zero, missing], axis=1)
+    rows_out = lookup(local_table)
+    # One factor per id, applied in one product (its gradient is one product too): 1 for the
+    # ids this device owns, 0 for another device's, NaN for an id no device owns -- not an
+    # error: raising inside a traced DTensor step would poison TF's collective executor for
+    # the rest of the process.  Built on the [T, *ids] ids, not on the [T, *ids, D] rows.
+    factor = tf.cast(mine, rows_out.dtype)
+    if not tf.executing_eagerly() and rows_out.dtype.is_floating:
+        owned = tf.expand_dims(tf.logical_and(ids >= 0, ids < vocab), 0)
+        factor = tf.where(owned, factor, tf.constant(float("nan"), rows_out.dtype))
+    factor = dtensor.relayout(factor, _stacked_layout(ctx, rank))
+    return dtensor.relayout(rows_out * tf.expand_dims(factor, -1), _stacked_layout(ctx, rank + 1))
 
 
 def resolve_partial(ctx, stacked: tf.Tensor, placements: Sequence[Placement]) -> tf.Tensor:
