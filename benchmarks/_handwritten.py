@@ -31,6 +31,14 @@ def _placer(tf_mesh):
     return dvar, relayout
 
 
+def place_by_dp(batch, tf_mesh, shape=(2, 4)):
+    """A host ``batch`` on a ``(dp, tp)`` mesh of ``shape``, batch-sharded on dp: split once into
+    the dp pieces and packed by coordinate (the tp devices of a dp row share one piece)."""
+    pieces = tf.split(tf.constant(batch), shape[0])
+    layout = dtensor.Layout(["dp"] + [U] * (batch.ndim - 1), tf_mesh)
+    return dtensor.pack([pieces[i // shape[1]] for i in range(shape[0] * shape[1])], layout)
+
+
 def mlp(reference, tf_mesh):
     """``down(gelu(up(x)))``: up column-parallel, down row-parallel on the "tp" mesh dim."""
     dvar, _ = _placer(tf_mesh)

@@ -215,12 +215,8 @@ def run_hand_written(w, x, y, shape=(2, 4), sync_every_step=False):
                                                           devices=[f"CPU:{i}" for i in range(8)])
     step = _handwritten.train_step(_keras_model(keras, w), mesh, w)
 
-    def place(batch):  # one split into the dp pieces; the tp devices of a dp row share one
-        if mesh is None:
-            return tf.constant(batch)
-        pieces = tf.split(tf.constant(batch), shape[0])
-        layout = dtensor.Layout(["dp"] + [dtensor.UNSHARDED] * (batch.ndim - 1), mesh)
-        return dtensor.pack([pieces[i // shape[1]] for i in range(8)], layout)
+    def place(batch):
+        return tf.constant(batch) if mesh is None else _handwritten.place_by_dp(batch, mesh, shape)
 
     clock = _Clock(w, sync_every_step)
     b = w["batch"]

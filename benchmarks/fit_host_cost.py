@@ -81,9 +81,7 @@ def main() -> None:
     hand_step = _handwritten.train_step(compare._keras_model(keras, w), tf_mesh, w)
 
     def place(batch):
-        pieces = tf.split(tf.constant(batch), 2)
-        layout = dtensor.Layout(["dp"] + [dtensor.UNSHARDED] * (batch.ndim - 1), tf_mesh)
-        return dtensor.pack([pieces[i // 4] for i in range(8)], layout)
+        return _handwritten.place_by_dp(batch, tf_mesh)
 
     def scalar(t):
         return float(dtensor.unpack(t)[0]) if dtensor.is_dtensor(t) else float(t)

@@ -73,7 +73,6 @@ def _tfdist_step(program: str, w: dict, x, y):
 
 def _hand_step(w: dict, x, y):
     import keras
-    import tensorflow as tf
     from tensorflow.experimental import dtensor
 
     import _handwritten
@@ -83,12 +82,7 @@ def _hand_step(w: dict, x, y):
     mesh = dtensor.create_mesh([("dp", 2), ("tp", 4)], devices=[f"CPU:{i}" for i in range(8)])
     step = _handwritten.train_step(compare._keras_model(keras, w), mesh, w)
 
-    def place(batch):
-        pieces = tf.split(tf.constant(batch), 2)
-        layout = dtensor.Layout(["dp"] + [dtensor.UNSHARDED] * (batch.ndim - 1), mesh)
-        return dtensor.pack([pieces[i // 4] for i in range(8)], layout)
-
-    batch = (place(x[:w["batch"]]), place(y[:w["batch"]]))
+    batch = tuple(_handwritten.place_by_dp(t[:w["batch"]], mesh) for t in (x, y))
     return lambda: step(*batch)
 
 
