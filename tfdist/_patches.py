@@ -133,6 +133,9 @@ PATCHES: tuple[Patch, ...] = (
           "eager DTensor refuses host tensors)"),
     Patch("keras.src.losses.loss", "Loss", "__call__", ("self", "y_true", "y_pred", "sample_weight"), "process",
           "eager labels/sample weights beside DTensor predictions go onto their mesh (torch's Replicate annotation)"),
+    Patch("keras.src.losses.loss", None, "reduce_values", ("values", "sample_weight", "reduction"), "with",
+          "inside traced distributed steps a mean loss is one tf.reduce_mean (a Mean all-reduce), so TF DTensor's "
+          "combiner does not put the loss scalar ahead of the gradients and misalign their slices"),
     Patch("keras.src.backend.tensorflow.nn", None, "sparse_categorical_crossentropy",
           ("target", "output", "from_logits", "axis"), "with",
           "loss_parallel: cross-entropy on class-sharded logits without a gather"),

@@ -6,6 +6,7 @@ CommDebugMode from the executed programs) -- not on time."""
 from __future__ import annotations
 
 import collections
+import re
 
 import keras
 import numpy as np
@@ -105,6 +106,68 @@ def test_fit_step_runs_no_more_compute_or_communication_than_the_hand_written_st
     assert fit_counts.get("all_reduce") and hand_counts.get("all_reduce"), (fit_counts, hand_counts)
     assert fit_bytes <= hand_bytes + SCALARS, (fit_counts, fit_bytes, hand_counts, hand_bytes)
     assert sum(fit_counts.values()) <= sum(hand_counts.values()), (fit_counts, hand_counts)
+
+
+def _combined_pieces(program) -> list[tuple[str, int, int]]:
+    """(op name, offset, elements) of each tensor TF DTensor slices back out of a combined
+    all-reduce, read from the SPMD-expanded functions TF ran for concrete ``program``."""
+    from tensorflow.python.eager import context
+
+    ctx = context.context()
+    pieces: list[tuple[str, int, int]] = []
+    todo = [n for n in ctx.list_function_names() if n.startswith(program.name.decode() + "__func_")]
+    seen: set = set()
+    while todo:
+        name = todo.pop()
+        if name in seen or not ctx.has_function(name):
+            continue
+        seen.add(name)
+        nodes = ctx.get_function_def(name).node_def
+        by_name = {n.name: n for n in nodes}
+        for node in nodes:
+            if node.op == "Slice" and node.name.endswith("PostCombinedReduceSlice"):
+                begin, size = (int(tf.make_ndarray(by_name[ref.split(":")[0]].attr["value"].tensor)[0])
+                               for ref in node.input[1:3])
+                pieces.append((node.name, begin, size))
+            for attr in node.attr.values():
+                todo += [attr.func.name] if attr.func.name else [f.name for f in attr.list.func]
+    return pieces
+
+
+@pytest.mark.parametrize("kind", ["data_parallel", "tensor_parallel"])
+def test_fit_step_slices_every_gradient_out_of_the_combined_all_reduce_aligned(kind):
+    """TF DTensor packs independent all-reduces into one flat buffer and slices each tensor back
+    out; a slice that starts off a 64-byte boundary is a copy (TF shares aligned ones).  Keras'
+    mean loss, reduced as a sum, would lead that buffer as one float and shift every gradient
+    by 4 bytes; tfdist reduces it as a mean (its own all-reduce), so with layer sizes that are
+    multiples of 16 floats every gradient starts aligned."""
+    if kind == "data_parallel":
+        distribution = keras.distribution.DataParallel()
+        grads = {"up/kernel": 16 * 64, "up/bias": 64, "down/kernel": 64 * 16, "down/bias": 16}
+    else:
+        layout_map = keras.distribution.LayoutMap(keras.distribution.DeviceMesh((2, 4), ["batch", "model"]))
+        layout_map[".*up/kernel"] = (None, "model")
+        layout_map[".*up/bias"] = ("model",)
+        layout_map[".*down/kernel"] = ("model", None)
+        distribution = keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+        grads = {"up/kernel": 16 * 64 // 4, "up/bias": 64 // 4, "down/kernel": 64 // 4 * 16, "down/bias": 16}
+    keras.distribution.set_distribution(distribution)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(64, activation="relu", name="up"),
+                              keras.layers.Dense(16, name="down")])
+    model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
+    target = np.tanh(X)
+    model.fit(X, target, batch_size=64, epochs=1, verbose=0, shuffle=False)
+    mesh, batch_axis = mesh_of(model)
+    program = model.train_function.one_step.traced[0].get_concrete_function(
+        _data.shard_batch((X, target), mesh, batch_axis))
+
+    pieces = _combined_pieces(program)
+    sliced = {re.sub(r"_\d+$", "", name.split("/")[2]) + ("/bias" if "BiasAdd" in name else "/kernel"): size
+              for name, _, size in pieces if name.startswith("gradient_tape/")}
+    assert sliced == grads, pieces  # the four gradients, reduced over the batch in one buffer
+    assert not [p for p in pieces if not p[0].startswith("gradient_tape/")], pieces  # the loss is not in it
+    assert not [p for p in pieces if p[1] * 4 % 64], pieces
 
 
 def test_steps_go_through_one_concrete_program_per_batch_signature():

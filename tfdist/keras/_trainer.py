@@ -14,6 +14,7 @@ unchanged.
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 from typing import Any
 
@@ -25,6 +26,7 @@ from tfdist import _patches
 from tfdist.device_mesh import DeviceMesh
 from tfdist.keras import _data, _variables
 from tfdist.keras._backend import tfdist_mesh
+from tfdist.keras._loss_reduction import mean_loss_reduction
 from tfdist.tensor.parallel.loss import loss_parallel
 from tfdist.tensor.parallel.style import replicated_batch
 
@@ -206,21 +208,29 @@ def _through_concrete(function, tracing=contextlib.nullcontext):
     return call
 
 
+@contextlib.contextmanager
+def _tracing_scope(sharded_logits: bool):
+    """What a distributed step program is traced inside: Keras' mean loss reduction as one
+    mean, and ``loss_parallel`` for a model whose plan leaves class-sharded logits."""
+    with mean_loss_reduction(), (loss_parallel() if sharded_logits else contextlib.nullcontext()):
+        yield
+
+
 def _by_batch_split(step_function, run_eagerly: bool, mesh, batch_axis, sharded_logits: bool = False):
     """``step_function`` on sharded batches; a batch that does not split evenly over the
     data-parallel dim runs replicated (``replicated_batch``) in its own traced function.
 
     The even steps may relax their batch dim (``reduce_retracing``); the partial
     ones keep a static size, so a partial batch never meets a program traced for
-    sharded batches.
+    sharded batches.  Traced steps reduce a mean loss as one mean
+    (``_loss_reduction``: the gradients' combined all-reduce stays aligned).
     """
     traced = (step_function if run_eagerly else tf.function(step_function, reduce_retracing=True),
               step_function if run_eagerly else tf.function(step_function))
     if run_eagerly:
         even, partial = (_loss_parallel(f) for f in traced) if sharded_logits else traced
     else:
-        even, partial = (_through_concrete(f, loss_parallel if sharded_logits else contextlib.nullcontext)
-                         for f in traced)
+        even, partial = (_through_concrete(f, functools.partial(_tracing_scope, sharded_logits)) for f in traced)
 
     def step(data, splits_evenly=None):
         """One step on ``data``: host batches, or batches ``BatchFeed`` placed (then pass
