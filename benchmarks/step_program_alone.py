@@ -31,7 +31,8 @@ PROGRAMS = ("parallelize", "layout_map", "hand_written")
 
 
 def _tfdist_step(program: str, w: dict, x, y):
-    """The traced one-step program ``fit`` runs, and one placed batch."""
+    """The traced one-step program ``fit`` runs on one placed batch (``program``: ``parallelize``,
+    ``layout_map`` or ``data_parallel`` on 8), as a call."""
     import keras
     import tensorflow as tf
 
@@ -45,7 +46,10 @@ def _tfdist_step(program: str, w: dict, x, y):
     from tfdist.models import parallelize_gpt
     from tfdist.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    if program == "layout_map":
+    if program == "data_parallel":
+        keras.distribution.set_distribution(keras.distribution.DataParallel())
+        model = compare._keras_model(keras, w)
+    elif program == "layout_map":
         mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"])
         layout_map = keras.distribution.LayoutMap(mesh)
         rules = ({".*/up/kernel": (None, "model"), ".*/up/bias": ("model",), ".*/down/kernel": ("model", None)}
@@ -68,7 +72,12 @@ def _tfdist_step(program: str, w: dict, x, y):
     tf_mesh, batch_axis = mesh_of(model)
     data = _data.shard_batch((tf.constant(x[:b]), tf.constant(y[:b])), tf_mesh, batch_axis)
     program_fn = model.train_function.one_step.traced[0].get_concrete_function(data)
-    return lambda: program_fn(data)
+
+    def run():
+        return program_fn(data)
+
+    run.program = program_fn  # the concrete program, for inspection (benchmarks/loss_reduction.py)
+    return run
 
 
 def _hand_step(w: dict, x, y):

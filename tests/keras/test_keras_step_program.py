@@ -19,6 +19,7 @@ from keras_helpers import no_global_distribution  # noqa: F401
 from tfdist.keras import _data
 from tfdist.keras._trainer import mesh_of
 from tfdist.tensor.debug import CommDebugMode
+from tfdist.tensor.debug._executed import combined_all_reduce_pieces
 
 RNG = np.random.default_rng(0)
 X = RNG.standard_normal((64, 16)).astype(np.float32)
@@ -108,32 +109,6 @@ def test_fit_step_runs_no_more_compute_or_communication_than_the_hand_written_st
     assert sum(fit_counts.values()) <= sum(hand_counts.values()), (fit_counts, hand_counts)
 
 
-def _combined_pieces(program) -> list[tuple[str, int, int]]:
-    """(op name, offset, elements) of each tensor TF DTensor slices back out of a combined
-    all-reduce, read from the SPMD-expanded functions TF ran for concrete ``program``."""
-    from tensorflow.python.eager import context
-
-    ctx = context.context()
-    pieces: list[tuple[str, int, int]] = []
-    todo = [n for n in ctx.list_function_names() if n.startswith(program.name.decode() + "__func_")]
-    seen: set = set()
-    while todo:
-        name = todo.pop()
-        if name in seen or not ctx.has_function(name):
-            continue
-        seen.add(name)
-        nodes = ctx.get_function_def(name).node_def
-        by_name = {n.name: n for n in nodes}
-        for node in nodes:
-            if node.op == "Slice" and node.name.endswith("PostCombinedReduceSlice"):
-                begin, size = (int(tf.make_ndarray(by_name[ref.split(":")[0]].attr["value"].tensor)[0])
-                               for ref in node.input[1:3])
-                pieces.append((node.name, begin, size))
-            for attr in node.attr.values():
-                todo += [attr.func.name] if attr.func.name else [f.name for f in attr.list.func]
-    return pieces
-
-
 @pytest.mark.parametrize("kind", ["data_parallel", "tensor_parallel"])
 def test_fit_step_slices_every_gradient_out_of_the_combined_all_reduce_aligned(kind):
     """TF DTensor packs independent all-reduces into one flat buffer and slices each tensor back
@@ -162,7 +137,7 @@ def test_fit_step_slices_every_gradient_out_of_the_combined_all_reduce_aligned(k
     program = model.train_function.one_step.traced[0].get_concrete_function(
         _data.shard_batch((X, target), mesh, batch_axis))
 
-    pieces = _combined_pieces(program)
+    pieces = combined_all_reduce_pieces(program)
     sliced = {re.sub(r"_\d+$", "", name.split("/")[2]) + ("/bias" if "BiasAdd" in name else "/kernel"): size
               for name, _, size in pieces if name.startswith("gradient_tape/")}
     assert sliced == grads, pieces  # the four gradients, reduced over the batch in one buffer
