@@ -42,6 +42,7 @@ import tensorflow as tf
 from tensorflow.python.eager import context
 
 from tfdist.tensor import _comm_events
+from tfdist.tensor.debug._executed import function_nodes
 
 __all__ = ["CommDebugMode", "classify_kernel"]
 
@@ -174,29 +175,16 @@ def _function_collectives(name: str) -> tuple[collections.Counter, collections.C
     if name not in _FUNCTION_BYTES:
         sent: collections.Counter = collections.Counter()
         nodes: collections.Counter = collections.Counter()
-        _walk(name, sent, nodes, set())
+        for by_name, node in function_nodes([name]):
+            if node.op in _WIRE:
+                logical = _logical_name(node.name, node.op)
+                nbytes = _node_output_bytes(node)
+                k = _constant_input(by_name, node.input[1])
+                if logical and nbytes is not None and k is not None:
+                    sent[logical] += _WIRE[node.op](nbytes, k)
+                    nodes[logical] += 1
         _FUNCTION_BYTES[name] = (sent, nodes)
     return _FUNCTION_BYTES[name]
-
-
-def _walk(name: str, sent: collections.Counter, nodes: collections.Counter, seen: set) -> None:
-    ctx = context.context()
-    if name in seen or not ctx.has_function(name):
-        return
-    seen.add(name)
-    fdef = ctx.get_function_def(name)
-    by_name = {n.name: n for n in fdef.node_def}
-    for node in fdef.node_def:
-        if node.op in _WIRE:
-            logical = _logical_name(node.name, node.op)
-            nbytes = _node_output_bytes(node)
-            k = _constant_input(by_name, node.input[1])
-            if logical and nbytes is not None and k is not None:
-                sent[logical] += _WIRE[node.op](nbytes, k)
-                nodes[logical] += 1
-        for attr in node.attr.values():  # called functions (calls, control flow)
-            for callee in ([attr.func.name] if attr.func.name else [f.name for f in attr.list.func]):
-                _walk(callee, sent, nodes, seen)
 
 
 def _scoped_collectives(executed: str) -> list[tuple[str, str, float, int]]:

@@ -12,16 +12,14 @@ from typing import Iterator
 import tensorflow as tf
 from tensorflow.python.eager import context
 
-__all__ = ["executed_nodes", "combined_all_reduce_pieces"]
+__all__ = ["function_nodes", "executed_nodes", "combined_all_reduce_pieces"]
 
 
-def executed_nodes(program) -> Iterator[tuple[dict, object]]:
-    """(nodes of its function by name, node) for every node TF executed for ``program`` (a
-    ``ConcreteFunction`` called at least once on DTensors), callees included."""
+def function_nodes(names: list[str]) -> Iterator[tuple[dict, object]]:
+    """(nodes of its function by name, node) for every node of the functions ``names`` kept in
+    the eager context and of every function they call (calls, control flow), each once."""
     ctx = context.context()
-    prefix = program.name.decode() + "__func_"
-    todo = [name for name in ctx.list_function_names() if name.startswith(prefix)]
-    seen: set = set()
+    todo, seen = list(names), set()
     while todo:
         name = todo.pop()
         if name in seen or not ctx.has_function(name):
@@ -33,6 +31,13 @@ def executed_nodes(program) -> Iterator[tuple[dict, object]]:
             yield by_name, node
             for attr in node.attr.values():
                 todo += [attr.func.name] if attr.func.name else [f.name for f in attr.list.func]
+
+
+def executed_nodes(program) -> Iterator[tuple[dict, object]]:
+    """``function_nodes`` of what TF ran for ``program`` (a ``ConcreteFunction`` called at
+    least once on DTensors): its SPMD-expanded functions, callees included."""
+    prefix = program.name.decode() + "__func_"
+    return function_nodes([name for name in context.context().list_function_names() if name.startswith(prefix)])
 
 
 def combined_all_reduce_pieces(program) -> list[tuple[str, int, int]]:
