@@ -8,7 +8,8 @@ same flat buffer as the gradients' ``Add`` all-reduces -- first, since it comes 
 the program.  Every gradient after it then starts 4 bytes past a 64-byte boundary, and
 TF's ``Slice`` copies an unaligned piece of a 1-D tensor where it would share an aligned
 one (``IsDim0SliceAligned`` in ``slice_op.cc``): two kernel-sized copies per device per
-step on a two-layer MLP, 4% of a data-parallel step of benchmarks/compare.py's W1.
+step on a two-layer MLP; without them a data-parallel step of benchmarks/compare.py's W1
+takes 0.935x the time (benchmarks/loss_reduction.py).
 
 ``tf.reduce_mean`` is a ``Mean`` all-reduce, which the combiner keeps in a group of its
 own (it groups by reduce op), so the gradients stay aligned.  The value is the same
