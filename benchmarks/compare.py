@@ -16,7 +16,7 @@ order rotated by r), on 8 virtual CPUs:
   reading the loss every step (Keras' own loop is the difference to ``one_device`` on W1);
 - ``hand_written``: the same by hand in raw TF DTensor on a 2x4 (dp x tp) mesh, Megatron
   layouts, batches packed by dp coordinate; a Python loop of steps that reads the loss only at
-  the end of the warm-up and at the end;
+  the end of the warm-up and at the ends of the three timed blocks;
 - ``hand_written_synced``: that loop reading the loss every step, as Keras 3 ``fit`` on
   TensorFlow does (it converts each batch's logs);
 - ``hand_written_dp``: the same by hand in raw TF DTensor, data parallel on a 1-D mesh of 8
@@ -31,8 +31,9 @@ order rotated by r), on 8 virtual CPUs:
   ``DTensorDataset`` (its ``fit`` on arrays fails), with tf_keras' DTensor Adam;
 - ``mirrored``: Keras 3 ``fit`` under ``tf.distribute.MirroredStrategy`` on 8.
 
-Each program reports its steady step time (the wall time of the steps after the warm-up), the
-first step (trace + compile), how long ``fit`` takes to return after its last step, peak
+Each program reports its steady step time -- the steps after the warm-up are timed in three
+consecutive blocks, and a program's step time is its median block's mean step (the mean over
+all of them is kept as ``window_ms``) -- the first step (trace + compile), how long ``fit`` takes to return after its last step, peak
 resident memory, and its logged losses.  The parent checks every program's losses against
 ``one_device``'s at the steps it logged, takes medians over rounds, computes each goal ratio as
 the median over rounds of that round's ratio (with its range), and writes ``results/compare.json``,
@@ -115,14 +116,23 @@ def _scalar(t) -> float:
 
 class _Clock:
     """Times of the steps, by step index.  A hand-written loop synchronises (reads the loss)
-    only at step 0, the last warm-up step and the last step, so the steps in between may
-    overlap feeding and compute -- or at every step (``sync_every_step``), as Keras 3's ``fit``
-    on TensorFlow does when it converts each batch's logs.  Keras reports to it every
-    ``steps_per_execution`` steps."""
+    only at step 0 and at the ends of the timed blocks, so the steps in between may overlap
+    feeding and compute -- or at every step (``sync_every_step``), as Keras 3's ``fit`` on
+    TensorFlow does when it converts each batch's logs.  Keras reports to it every
+    ``steps_per_execution`` steps.
+
+    The steps after warm-up are timed in ``BLOCKS`` consecutive blocks; a program's step
+    time is its median block's mean, so a burst of work from elsewhere on the host that
+    lands in one block (this 2-core VM has them, seconds long) moves no program's time,
+    whichever program it hits.  ``window_ms`` is the mean over all the timed steps."""
+
+    BLOCKS = 3
 
     def __init__(self, w: dict, sync_every_step: bool = False) -> None:
         self.warmup, self.steps = w["warmup"], w["steps"]
-        self.sync_at = set(range(self.steps)) if sync_every_step else {0, self.warmup - 1, self.steps - 1}
+        first, last = self.warmup - 1, self.steps - 1
+        self.bounds = [first + round(k * (last - first) / self.BLOCKS) for k in range(self.BLOCKS + 1)]
+        self.sync_at = set(range(self.steps)) if sync_every_step else {0, *self.bounds}
         self.marks: dict[int, tuple[float, object]] = {}  # step -> (time it ended, its loss)
         self.start = time.perf_counter()
 
@@ -131,16 +141,25 @@ class _Clock:
             _scalar(loss)
         self.marks[i] = (time.perf_counter(), loss)
 
+    def block_ends(self) -> list[int]:
+        """The marked steps that end the blocks: each bound, or the last step marked before it
+        (Keras marks every ``steps_per_execution`` steps)."""
+        steps = sorted(self.marks)
+        first = min(i for i in steps if i >= self.warmup - 1)  # the end of warm-up, synchronised
+        inner = (max(i for i in steps if i <= b) for b in self.bounds[1:-1])
+        return sorted({first, steps[-1], *(i for i in inner if i > first)})
+
     def report(self, returned: float, running_mean: bool) -> dict:
         steps = sorted(self.marks)
         losses = [_scalar(self.marks[i][1]) for i in steps]
         if not running_mean:  # Keras logs the epoch's running mean; a hand-written loop its own loss
             losses = list(np.cumsum(losses) / np.arange(1, len(losses) + 1))
-        first = min(i for i in steps if i >= self.warmup - 1)  # the end of warm-up, synchronised
-        last = steps[-1]
-        steady = (self.marks[last][0] - self.marks[first][0]) / (last - first)
-        return {"step_ms": steady * 1e3, "first_step_s": self.marks[steps[0]][0] - self.start,
-                "fit_return_s": returned - self.marks[last][0], "loss_steps": steps, "losses": losses}
+        ends = self.block_ends()
+        per_step = lambda a, b: (self.marks[b][0] - self.marks[a][0]) / (b - a) * 1e3  # noqa: E731
+        blocks = [per_step(a, b) for a, b in zip(ends, ends[1:])]
+        return {"step_ms": float(np.median(blocks)), "window_ms": per_step(ends[0], ends[-1]),
+                "block_ms": [round(b, 3) for b in blocks], "first_step_s": self.marks[steps[0]][0] - self.start,
+                "fit_return_s": returned - self.marks[ends[-1]][0], "loss_steps": steps, "losses": losses}
 
 
 def _keras_callback(base, clock: _Clock):
@@ -389,6 +408,8 @@ def summarize(runs: dict) -> dict:
             row = {k: float(np.median([r[k] for r in ok])) for k in ("step_ms", "first_step_s", "fit_return_s", "peak_rss_mb")}
             row["rounds"] = len(ok)
             row["step_ms_per_round"] = [round(r["step_ms"], 2) for r in ok]
+            if all("window_ms" in r for r in ok):
+                row["window_ms"] = float(np.median([r["window_ms"] for r in ok]))
             if reference is not None and not ok[0].get("own_initial_weights"):
                 diff = _loss_diff(ok[0], reference)
                 row["loss_rel_diff"] = diff
@@ -416,6 +437,9 @@ def ratios(runs: dict) -> list[dict]:
             per_round = _paired(by_program.get(num, []), by_program.get(den, []), key)
             row[workload] = round(float(np.median(per_round)), 3) if per_round else None
             row[f"{workload}_range"] = [round(min(per_round), 3), round(max(per_round), 3)] if per_round else None
+            if key == "step_ms":  # the same ratio on each program's mean over the whole timed window
+                window = _paired(by_program.get(num, []), by_program.get(den, []), "window_ms")
+                row[f"{workload}_window"] = round(float(np.median(window)), 3) if window else None
         rows.append(row)
     return rows
 
@@ -440,10 +464,11 @@ def markdown(summary: dict, ratio_rows: list[dict], meta: dict) -> str:
                 cells += [f"{row['step_ms']:.1f}", f"{row['first_step_s']:.1f}", f"{row['fit_return_s']:.2f}",
                           f"{row['peak_rss_mb']:.0f}", agree]
         lines.append(f"| {program} | " + " | ".join(cells) + " |")
-    lines += ["", "| ratio (median of per-round ratios; range over rounds) | goal | " + " | ".join(workloads) + " |",
+    lines += ["", "| ratio (median of per-round ratios; range over rounds; window: on whole-window means) | goal | " + " | ".join(workloads) + " |",
               "| --- | --- |" + " --- |" * len(workloads)]
     for row in ratio_rows:
         cells = ["n/a" if row[w] is None else f"{row[w]:.2f} ({row[w + '_range'][0]:.2f}-{row[w + '_range'][1]:.2f})"
+                 + (f"; window {row[w + '_window']:.2f}" if row.get(w + "_window") is not None else "")
                  for w in workloads]
         goal = "--" if row["goal"] is None else f"<= {row['goal']:.2f}"
         lines.append(f"| {row['ratio']} | {goal} | " + " | ".join(cells) + " |")

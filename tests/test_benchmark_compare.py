@@ -77,3 +77,53 @@ def test_losses_logged_every_few_steps_are_checked_at_those_steps():
                                         "tfdist_parallelize": [wrong]}})["W1"]
     assert summary["tfdist_parallelize_spe4"]["losses_agree"] is True
     assert summary["tfdist_parallelize"]["loss_rel_diff"] == pytest.approx(1 / 3)
+
+
+W1_STEPS = {"warmup": 10, "steps": 100}
+
+
+def _marked(clock, times):
+    clock.start = 0.0
+    clock.marks = {i: (t, 1.0) for i, t in times.items()}
+    return clock.report(returned=times[max(times)] + 0.5, running_mean=True)
+
+
+def test_a_step_time_is_the_median_blocks_and_the_window_keeps_the_burst():
+    clock = compare._Clock(W1_STEPS)
+    assert clock.sync_at == {0, 9, 39, 69, 99}  # the blocks' ends are synchronised: their times are real
+    # steps 10-39 take 20 ms, 40-69 take 50 ms (a burst from elsewhere), 70-99 take 30 ms
+    per_step = {i: 0.020 if i <= 39 else 0.050 if i <= 69 else 0.030 for i in range(100)}
+    times, t = {}, 0.0
+    for i in range(100):
+        t += per_step[i]
+        times[i] = t
+    report = _marked(clock, times)
+    assert report["block_ms"] == [pytest.approx(20), pytest.approx(50), pytest.approx(30)]
+    assert report["step_ms"] == pytest.approx(30)
+    assert report["window_ms"] == pytest.approx((30 * 20 + 30 * 50 + 30 * 30) / 90)
+    assert report["fit_return_s"] == pytest.approx(0.5)
+
+
+def test_marks_every_few_steps_end_the_blocks_at_the_last_mark_before_each_bound():
+    clock = compare._Clock(W1_STEPS)
+    marked = {i: i * 0.01 for i in range(3, 100, 4)}  # steps_per_execution=4: steps 3, 7, ..., 99
+    report = _marked(clock, marked)
+    assert clock.block_ends() == [11, 39, 67, 99]
+    assert report["step_ms"] == pytest.approx(10)
+
+
+def test_every_step_synchronises_when_asked():
+    assert compare._Clock(W1_STEPS, sync_every_step=True).sync_at == set(range(100))
+
+
+def test_the_goal_ratios_also_come_on_whole_window_means():
+    def run(block, window):
+        return dict(_run(block, [1.0]), window_ms=window)
+
+    runs = {"W1": {"tfdist_parallelize": [run(21, 30), run(20, 22), run(22, 25)],
+                   "hand_written": [run(20, 20), run(20, 20), run(20, 20)]}}
+    row = next(r for r in compare.ratios(runs) if r["ratio"].startswith("tfdist parallelize_module fit 2x4 / hand-written TF"))
+    assert row["W1"] == pytest.approx(1.05)
+    assert row["W1_window"] == pytest.approx(1.25)  # rounds 1.5, 1.1, 1.25
+    table = compare.markdown(compare.summarize(runs), compare.ratios(runs), {"command": "c", "commit": "abc", "rounds": 3})
+    assert "1.05 (1.00-1.10); window 1.25" in table
