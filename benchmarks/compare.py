@@ -8,8 +8,9 @@ Workloads (Adam, the same initial weights and data in every program):
 - W2: ``tfdist.models.GPT`` (vocab 256, seq 64, dim 128, 8 heads, 2 blocks), 0.5M
   parameters, token cross-entropy, batch 16, 60 steps.
 
-Programs, each run in a fresh process (interleaved: round r runs every program once, in an
-order rotated by r), on 8 virtual CPUs:
+Programs, each run in a fresh process (interleaved: round r runs every program once; the
+programs a goal compares run next to each other, forwards in even rounds and backwards in odd
+ones, ``round_order``), on 8 virtual CPUs:
 
 - ``one_device``: Keras 3 ``fit`` on one device;
 - ``hand_written_one_device``: the same model, loss and Adam by hand in plain TF on one device,
@@ -61,7 +62,7 @@ WORKLOADS = {
 }
 LOSS_RTOL = 1e-3  # float32 sums in another order, over up to 100 Adam steps
 # (name, numerator, denominator, goal or None for a reference row); a ratio is the median over
-# rounds of the round's ratio (both programs ran back to back in that round)
+# rounds of the round's ratio (the programs of a goal run next to each other: round_order)
 RATIOS = [
     ("tfdist parallelize_module fit 2x4 / hand-written TF DTensor 2x4", "tfdist_parallelize", "hand_written", 1.02),
     ("tfdist LayoutMap fit 2x4 / hand-written TF DTensor 2x4", "tfdist_layout_map", "hand_written", 1.02),
@@ -375,6 +376,24 @@ def worker(program: str, workload: str) -> None:
 
 # ----------------------------------------------------------------------------- parent side
 
+# Programs whose ratios are goals run next to each other: this host's slow spells last
+# minutes, and two programs a minute apart can land on either side of one.
+GROUPS = [["tfdist_parallelize", "hand_written", "tfdist_layout_map", "hand_written_synced",
+           "tfdist_parallelize_spe4", "tf_keras_layout_map"],
+          ["tfdist_data_parallel", "mirrored", "hand_written_dp"],
+          ["one_device", "hand_written_one_device"]]
+
+
+def round_order(programs: list[str], r: int) -> list[str]:
+    """The order of round ``r``: the groups rotated by the round, each run forwards in even
+    rounds and backwards in odd ones (so neither program of a pair is always the later one);
+    programs in no group run last."""
+    groups = [[p for p in group if p in programs] for group in GROUPS]
+    groups = groups[r % len(groups):] + groups[:r % len(groups)]
+    order = [p for group in groups for p in (group if r % 2 == 0 else group[::-1])]
+    return order + [p for p in programs if p not in order]
+
+
 def run_worker(program: str, workload: str, timeout: float = 900) -> dict:
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", program, workload],
@@ -503,7 +522,7 @@ def main() -> None:
     workloads = args.workloads.split(",")
     runs: dict = {w: {p: [] for p in programs} for w in workloads}
     for r in range(args.rounds):
-        order = programs[r % len(programs):] + programs[:r % len(programs)]
+        order = round_order(programs, r)
         for workload in workloads:
             for program in order:
                 result = run_worker(program, workload)

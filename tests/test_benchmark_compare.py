@@ -127,3 +127,18 @@ def test_the_goal_ratios_also_come_on_whole_window_means():
     assert row["W1_window"] == pytest.approx(1.25)  # rounds 1.5, 1.1, 1.25
     table = compare.markdown(compare.summarize(runs), compare.ratios(runs), {"command": "c", "commit": "abc", "rounds": 3})
     assert "1.05 (1.00-1.10); window 1.25" in table
+
+
+def test_each_round_runs_every_program_once_with_the_goal_pairs_side_by_side():
+    programs = list(compare.PROGRAMS)
+    orders = [compare.round_order(programs, r) for r in range(4)]
+    for order in orders:
+        assert sorted(order) == sorted(programs)
+        for a, b in [("tfdist_parallelize", "hand_written"), ("hand_written", "tfdist_layout_map"),
+                     ("tfdist_data_parallel", "mirrored"), ("one_device", "hand_written_one_device")]:
+            assert abs(order.index(a) - order.index(b)) == 1, (a, b, order)
+    # forwards, then backwards: neither program of a pair always runs second
+    assert orders[0].index("tfdist_parallelize") < orders[0].index("hand_written")
+    assert orders[1].index("tfdist_parallelize") > orders[1].index("hand_written")
+    assert [o[0] for o in orders] == ["tfdist_parallelize", "hand_written_dp", "one_device", "tf_keras_layout_map"]  # groups rotate
+    assert compare.round_order(["hand_written", "extra", "one_device"], 0) == ["hand_written", "one_device", "extra"]
