@@ -34,7 +34,8 @@ ones, ``round_order``), on 8 virtual CPUs:
 
 Each program reports its steady step time -- the steps after the warm-up are timed in three
 consecutive blocks, and a program's step time is its median block's mean step (the mean over
-all of them is kept as ``window_ms``) -- the first step (trace + compile), how long ``fit`` takes to return after its last step, peak
+all of them is kept as ``window_ms``, and the process's CPU time per step over them, all
+threads, as ``cpu_ms``) -- the first step (trace + compile), how long ``fit`` takes to return after its last step, peak
 resident memory, and its logged losses.  The parent checks every program's losses against
 ``one_device``'s at the steps it logged, takes medians over rounds, computes each goal ratio as
 the median over rounds of that round's ratio (with its range), and writes ``results/compare.json``,
@@ -135,12 +136,14 @@ class _Clock:
         self.bounds = [first + round(k * (last - first) / self.BLOCKS) for k in range(self.BLOCKS + 1)]
         self.sync_at = set(range(self.steps)) if sync_every_step else {0, *self.bounds}
         self.marks: dict[int, tuple[float, object]] = {}  # step -> (time it ended, its loss)
+        self.cpu: dict[int, float] = {}
         self.start = time.perf_counter()
 
     def step_done(self, i: int, loss) -> None:
         if i in self.sync_at:
             _scalar(loss)
         self.marks[i] = (time.perf_counter(), loss)
+        self.cpu[i] = time.process_time()  # the process's CPU, all threads: on 2 cores any extra is wall time
 
     def block_ends(self) -> list[int]:
         """The marked steps that end the blocks: each bound, or the last step marked before it
@@ -158,7 +161,8 @@ class _Clock:
         ends = self.block_ends()
         per_step = lambda a, b: (self.marks[b][0] - self.marks[a][0]) / (b - a) * 1e3  # noqa: E731
         blocks = [per_step(a, b) for a, b in zip(ends, ends[1:])]
-        return {"step_ms": float(np.median(blocks)), "window_ms": per_step(ends[0], ends[-1]),
+        cpu_ms = (self.cpu[ends[-1]] - self.cpu[ends[0]]) / (ends[-1] - ends[0]) * 1e3 if self.cpu else None
+        return {"step_ms": float(np.median(blocks)), "window_ms": per_step(ends[0], ends[-1]), "cpu_ms": cpu_ms,
                 "block_ms": [round(b, 3) for b in blocks], "first_step_s": self.marks[steps[0]][0] - self.start,
                 "fit_return_s": returned - self.marks[ends[-1]][0], "loss_steps": steps, "losses": losses}
 
@@ -427,8 +431,9 @@ def summarize(runs: dict) -> dict:
             row = {k: float(np.median([r[k] for r in ok])) for k in ("step_ms", "first_step_s", "fit_return_s", "peak_rss_mb")}
             row["rounds"] = len(ok)
             row["step_ms_per_round"] = [round(r["step_ms"], 2) for r in ok]
-            if all("window_ms" in r for r in ok):
-                row["window_ms"] = float(np.median([r["window_ms"] for r in ok]))
+            for field in ("window_ms", "cpu_ms"):
+                if all(r.get(field) is not None for r in ok):
+                    row[field] = float(np.median([r[field] for r in ok]))
             if reference is not None and not ok[0].get("own_initial_weights"):
                 diff = _loss_diff(ok[0], reference)
                 row["loss_rel_diff"] = diff
@@ -442,7 +447,7 @@ def summarize(runs: dict) -> dict:
 
 def _paired(runs_a: list, runs_b: list, key: str) -> list[float]:
     """The ratio a/b of ``key`` in each round where both programs ran."""
-    return [a[key] / b[key] for a, b in zip(runs_a, runs_b) if key in a and key in b and b[key]]
+    return [a[key] / b[key] for a, b in zip(runs_a, runs_b) if a.get(key) is not None and b.get(key)]
 
 
 def ratios(runs: dict) -> list[dict]:
@@ -456,9 +461,10 @@ def ratios(runs: dict) -> list[dict]:
             per_round = _paired(by_program.get(num, []), by_program.get(den, []), key)
             row[workload] = round(float(np.median(per_round)), 3) if per_round else None
             row[f"{workload}_range"] = [round(min(per_round), 3), round(max(per_round), 3)] if per_round else None
-            if key == "step_ms":  # the same ratio on each program's mean over the whole timed window
-                window = _paired(by_program.get(num, []), by_program.get(den, []), "window_ms")
-                row[f"{workload}_window"] = round(float(np.median(window)), 3) if window else None
+            if key == "step_ms":  # the same ratio on the whole timed window, and on process CPU per step
+                for extra, field in (("window", "window_ms"), ("cpu", "cpu_ms")):
+                    paired = _paired(by_program.get(num, []), by_program.get(den, []), field)
+                    row[f"{workload}_{extra}"] = round(float(np.median(paired)), 3) if paired else None
         rows.append(row)
     return rows
 
@@ -483,11 +489,12 @@ def markdown(summary: dict, ratio_rows: list[dict], meta: dict) -> str:
                 cells += [f"{row['step_ms']:.1f}", f"{row['first_step_s']:.1f}", f"{row['fit_return_s']:.2f}",
                           f"{row['peak_rss_mb']:.0f}", agree]
         lines.append(f"| {program} | " + " | ".join(cells) + " |")
-    lines += ["", "| ratio (median of per-round ratios; range over rounds; window: on whole-window means) | goal | " + " | ".join(workloads) + " |",
+    lines += ["", "| ratio (median of per-round ratios; range over rounds; window: on whole-window means; cpu: on process CPU per step) | goal | " + " | ".join(workloads) + " |",
               "| --- | --- |" + " --- |" * len(workloads)]
     for row in ratio_rows:
         cells = ["n/a" if row[w] is None else f"{row[w]:.2f} ({row[w + '_range'][0]:.2f}-{row[w + '_range'][1]:.2f})"
-                 + (f"; window {row[w + '_window']:.2f}" if row.get(w + "_window") is not None else "")
+                 + "".join(f"; {extra} {row[w + '_' + extra]:.2f}" for extra in ("window", "cpu")
+                           if row.get(w + "_" + extra) is not None)
                  for w in workloads]
         goal = "--" if row["goal"] is None else f"<= {row['goal']:.2f}"
         lines.append(f"| {row['ratio']} | {goal} | " + " | ".join(cells) + " |")

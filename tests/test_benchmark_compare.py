@@ -82,9 +82,10 @@ def test_losses_logged_every_few_steps_are_checked_at_those_steps():
 W1_STEPS = {"warmup": 10, "steps": 100}
 
 
-def _marked(clock, times):
+def _marked(clock, times, cpu_per_step=0.040):
     clock.start = 0.0
     clock.marks = {i: (t, 1.0) for i, t in times.items()}
+    clock.cpu = {i: i * cpu_per_step for i in times}
     return clock.report(returned=times[max(times)] + 0.5, running_mean=True)
 
 
@@ -102,6 +103,7 @@ def test_a_step_time_is_the_median_blocks_and_the_window_keeps_the_burst():
     assert report["step_ms"] == pytest.approx(30)
     assert report["window_ms"] == pytest.approx((30 * 20 + 30 * 50 + 30 * 30) / 90)
     assert report["fit_return_s"] == pytest.approx(0.5)
+    assert report["cpu_ms"] == pytest.approx(40)  # process CPU per step over the timed window
 
 
 def test_marks_every_few_steps_end_the_blocks_at_the_last_mark_before_each_bound():
@@ -117,16 +119,17 @@ def test_every_step_synchronises_when_asked():
 
 
 def test_the_goal_ratios_also_come_on_whole_window_means():
-    def run(block, window):
-        return dict(_run(block, [1.0]), window_ms=window)
+    def run(block, window, cpu=None):
+        return dict(_run(block, [1.0]), window_ms=window, cpu_ms=cpu)
 
-    runs = {"W1": {"tfdist_parallelize": [run(21, 30), run(20, 22), run(22, 25)],
-                   "hand_written": [run(20, 20), run(20, 20), run(20, 20)]}}
+    runs = {"W1": {"tfdist_parallelize": [run(21, 30, 52), run(20, 22, 51), run(22, 25)],
+                   "hand_written": [run(20, 20, 50), run(20, 20, 50), run(20, 20, 50)]}}
     row = next(r for r in compare.ratios(runs) if r["ratio"].startswith("tfdist parallelize_module fit 2x4 / hand-written TF"))
     assert row["W1"] == pytest.approx(1.05)
     assert row["W1_window"] == pytest.approx(1.25)  # rounds 1.5, 1.1, 1.25
     table = compare.markdown(compare.summarize(runs), compare.ratios(runs), {"command": "c", "commit": "abc", "rounds": 3})
-    assert "1.05 (1.00-1.10); window 1.25" in table
+    assert row["W1_cpu"] == pytest.approx(1.03)  # rounds 1.04, 1.02; a run without it is left out
+    assert "1.05 (1.00-1.10); window 1.25; cpu 1.03" in table
 
 
 def test_each_round_runs_every_program_once_with_the_goal_pairs_side_by_side():
