@@ -167,6 +167,18 @@ def test_ctrl_c_is_reported_as_an_interruption():
     assert proc.returncode == 128 + signal.SIGINT
 
 
+def test_a_signal_while_the_clients_start_stops_every_client():
+    """The launcher's handlers are in before its first client starts: SIGINT from rank 0 at its
+    start (the launcher may be starting rank 1) ends the job as an interruption, at once."""
+    start = time.monotonic()
+    out = launch("--nproc-per-node", "2", "--master-port", str(free_base_port(2)),
+                 str(HERE / "interrupts_launcher.py"), timeout=60)
+    assert out.returncode == 128 + signal.SIGINT and "interrupted by SIGINT" in out.stderr, out.stderr[-2000:]
+    # a client interrupted while Python starts prints its KeyboardInterrupt; the launcher prints none
+    assert not [ln for ln in out.stderr.splitlines() if "Traceback" in ln and not ln.startswith("[rank")], out.stderr[-2000:]
+    assert time.monotonic() - start < 30
+
+
 def test_job_timeout_stops_everything():
     start = time.monotonic()
     out = launch("--nproc-per-node", "2", "--timeout", "3", "--master-port", str(free_base_port(2)),

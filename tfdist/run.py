@@ -171,57 +171,70 @@ def main(argv: Sequence[str] | None = None, prog: str = "tfdist run") -> int:
     command = [sys.executable, "-u", *target, *args.script_args]
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
-    first_rank = args.node_rank * args.nproc_per_node
-    for i, env in enumerate(client_environments(args, nodes)):
-        proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, bufsize=1, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
-        procs.append(proc)
-        for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
-            t = threading.Thread(target=_pump, args=(stream, first_rank + i, out), daemon=True)
-            t.start()
-            pumps.append(t)
-
     received: list[int] = []
+    reached = [0]  # how many clients the last forwarded signal reached
 
     def forward(signum, frame):
         received.append(signum)
+        reached[0] = len(procs)
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signum)
 
+    # The handlers go in before the first client starts: a signal that arrives while the
+    # clients start reaches every client already started, and no further client starts.
+    # Before, one that arrived in that window killed the launcher and left the clients running.
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-    status = 0
-    deadline = time.monotonic() + args.timeout if args.timeout else None
+    first_rank = args.node_rank * args.nproc_per_node
     try:
-        while True:
-            if deadline is not None and time.monotonic() > deadline:
-                sys.stderr.write(f"tfdist run: the job ran past --timeout {args.timeout:g}s; stopping every process\n")
-                status = 124  # timeout(1)'s status
+        for i, env in enumerate(client_environments(args, nodes)):
+            if received:
                 break
-            codes = [p.poll() for p in procs]
-            failed = [(first_rank + i, c) for i, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                rank, code = failed[0]
-                if received and code in (-s for s in received):
-                    # the processes ended on the signal the launcher forwarded: not a failure of theirs
-                    sys.stderr.write(f"tfdist run: interrupted by {signal.Signals(received[0]).name}; stopping\n")
-                else:
-                    sys.stderr.write(
-                        f"tfdist run: rank {rank} exited with code {code}; stopping the other "
-                        f"{sum(c is None for c in codes)} process(es)\n"
-                    )
-                _stop(procs)
-                status = code if code > 0 else 128 - code  # -9 (killed) -> 137
-                break
-            if all(c == 0 for c in codes):
-                break
-            time.sleep(0.1)
+            proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True, bufsize=1, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+            procs.append(proc)
+            if received and reached[0] < len(procs):  # it started while the signal was handled
+                proc.send_signal(received[-1])
+            for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
+                t = threading.Thread(target=_pump, args=(stream, first_rank + i, out), daemon=True)
+                t.start()
+                pumps.append(t)
+        return _supervise(args, procs, received, first_rank)
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
         _stop(procs)
         for t in pumps:
             t.join(timeout=2)
+
+
+def _supervise(args, procs: list[subprocess.Popen], received: list[int], first_rank: int) -> int:
+    """Waits for the clients; the exit status of the job."""
+    status = 0
+    deadline = time.monotonic() + args.timeout if args.timeout else None
+    while True:
+        if deadline is not None and time.monotonic() > deadline:
+            sys.stderr.write(f"tfdist run: the job ran past --timeout {args.timeout:g}s; stopping every process\n")
+            status = 124  # timeout(1)'s status
+            break
+        codes = [p.poll() for p in procs]
+        failed = [(first_rank + i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            rank, code = failed[0]
+            if received and code in (-s for s in received):
+                # the processes ended on the signal the launcher forwarded: not a failure of theirs
+                sys.stderr.write(f"tfdist run: interrupted by {signal.Signals(received[0]).name}; stopping\n")
+            else:
+                sys.stderr.write(
+                    f"tfdist run: rank {rank} exited with code {code}; stopping the other "
+                    f"{sum(c is None for c in codes)} process(es)\n"
+                )
+            _stop(procs)
+            status = code if code > 0 else 128 - code  # -9 (killed) -> 137
+            break
+        if all(c == 0 for c in codes):
+            break
+        time.sleep(0.1)
     if received and status == 0:
         status = 128 + received[0]
     return status
