@@ -61,6 +61,11 @@ WORKLOADS = {
     "W1": dict(kind="mlp", dim=1024, hidden=1024, batch=64, steps=100, warmup=10, lr=1e-3),
     "W2": dict(kind="gpt", vocab=256, seq=64, dim=128, heads=8, depth=2, batch=16, steps=60, warmup=10, lr=1e-3),
 }
+# Steps every program runs after its timed window.  Keras on a mesh runs callbacks one step
+# behind (tfdist's fit), so a mark is taken after the next step was dispatched -- except the
+# epoch's final one, which would end the last block early and flatter it; with a tail, every
+# block ends at a mark like the others (``_Clock``).
+TAIL_STEPS = 4
 LOSS_RTOL = 1e-3  # float32 sums in another order, over up to 100 Adam steps
 # (name, numerator, denominator, goal or None for a reference row); a ratio is the median over
 # rounds of the round's ratio (the programs of a goal run next to each other: round_order)
@@ -84,7 +89,7 @@ RATIOS = [
 
 def _data(w: dict):
     rng = np.random.default_rng(0)
-    n = w["batch"] * w["steps"]
+    n = w["batch"] * (w["steps"] + TAIL_STEPS)
     if w["kind"] == "mlp":
         x = rng.standard_normal((n, w["dim"])).astype(np.float32)
         return x, np.tanh(x[:, ::-1]).astype(np.float32)
@@ -121,7 +126,9 @@ class _Clock:
     only at step 0 and at the ends of the timed blocks, so the steps in between may overlap
     feeding and compute -- or at every step (``sync_every_step``), as Keras 3's ``fit`` on
     TensorFlow does when it converts each batch's logs.  Keras reports to it every
-    ``steps_per_execution`` steps.
+    ``steps_per_execution`` steps; then the mark that ends a block is the first at or after
+    its bound, and that mark synchronises (a mark between syncs is only a dispatch time: with
+    the step still computing, a block ending there would look shorter than it ran).
 
     The steps after warm-up are timed in ``BLOCKS`` consecutive blocks; a program's step
     time is its median block's mean, so a burst of work from elsewhere on the host that
@@ -140,18 +147,18 @@ class _Clock:
         self.start = time.perf_counter()
 
     def step_done(self, i: int, loss) -> None:
-        if i in self.sync_at:
+        previous = max(self.marks, default=-1)
+        if i in self.sync_at or any(previous < b <= i for b in (0, *self.bounds)):
             _scalar(loss)
         self.marks[i] = (time.perf_counter(), loss)
         self.cpu[i] = time.process_time()  # the process's CPU, all threads: on 2 cores any extra is wall time
 
     def block_ends(self) -> list[int]:
-        """The marked steps that end the blocks: each bound, or the last step marked before it
-        (Keras marks every ``steps_per_execution`` steps)."""
+        """The marked steps that end the blocks: for each bound the first step marked at or
+        after it, which ``step_done`` synchronised (Keras marks every ``steps_per_execution``
+        steps).  The run's final mark ends none while a later one exists (``TAIL_STEPS``)."""
         steps = sorted(self.marks)
-        first = min(i for i in steps if i >= self.warmup - 1)  # the end of warm-up, synchronised
-        inner = (max(i for i in steps if i <= b) for b in self.bounds[1:-1])
-        return sorted({first, steps[-1], *(i for i in inner if i > first)})
+        return sorted({min((i for i in steps if i >= b), default=steps[-1]) for b in self.bounds})
 
     def report(self, returned: float, running_mean: bool) -> dict:
         steps = sorted(self.marks)
@@ -164,7 +171,7 @@ class _Clock:
         cpu_ms = (self.cpu[ends[-1]] - self.cpu[ends[0]]) / (ends[-1] - ends[0]) * 1e3 if self.cpu else None
         return {"step_ms": float(np.median(blocks)), "window_ms": per_step(ends[0], ends[-1]), "cpu_ms": cpu_ms,
                 "block_ms": [round(b, 3) for b in blocks], "first_step_s": self.marks[steps[0]][0] - self.start,
-                "fit_return_s": returned - self.marks[ends[-1]][0], "loss_steps": steps, "losses": losses}
+                "fit_return_s": returned - self.marks[steps[-1]][0], "loss_steps": steps, "losses": losses}
 
 
 def _keras_callback(base, clock: _Clock):
@@ -244,7 +251,7 @@ def run_hand_written(w, x, y, shape=(2, 4), sync_every_step=False):
 
     clock = _Clock(w, sync_every_step)
     b = w["batch"]
-    for i in range(w["steps"]):
+    for i in range(w["steps"] + TAIL_STEPS):
         clock.step_done(i, step(place(x[i * b:(i + 1) * b]), place(y[i * b:(i + 1) * b])))
     return clock.report(time.perf_counter(), running_mean=False)
 
@@ -354,7 +361,7 @@ def run_tf_keras_layout_map(w, x, y):
                                   layouts=(layout(x.ndim), layout(y.ndim)), global_batch_size=w["batch"],
                                   batch_dim="batch")
     clock = _Clock(w)
-    model.fit(data, steps_per_epoch=w["steps"], epochs=1, verbose=0,
+    model.fit(data, steps_per_epoch=w["steps"] + TAIL_STEPS, epochs=1, verbose=0,
               callbacks=[_keras_callback(tf_keras.callbacks.Callback, clock)])
     report = clock.report(time.perf_counter(), running_mean=True)
     if w["kind"] != "mlp":

@@ -106,12 +106,36 @@ def test_a_step_time_is_the_median_blocks_and_the_window_keeps_the_burst():
     assert report["cpu_ms"] == pytest.approx(40)  # process CPU per step over the timed window
 
 
-def test_marks_every_few_steps_end_the_blocks_at_the_last_mark_before_each_bound():
+def test_marks_every_few_steps_end_the_blocks_at_the_first_mark_from_each_bound():
     clock = compare._Clock(W1_STEPS)
     marked = {i: i * 0.01 for i in range(3, 100, 4)}  # steps_per_execution=4: steps 3, 7, ..., 99
     report = _marked(clock, marked)
-    assert clock.block_ends() == [11, 39, 67, 99]
+    assert clock.block_ends() == [11, 39, 71, 99]
     assert report["step_ms"] == pytest.approx(10)
+
+
+def test_marks_every_few_steps_synchronise_where_blocks_end(monkeypatch):
+    """A mark between synchronisations is a dispatch time; the blocks must end at real ones."""
+    synced = []
+    monkeypatch.setattr(compare, "_scalar", synced.append)
+    clock = compare._Clock(W1_STEPS)
+    for i in range(3, 100, 4):  # steps_per_execution=4
+        clock.step_done(i, i)
+    assert synced == [3, 11, 39, 71, 99]  # the first mark, then the first at or after 9, 39, 69, 99
+    assert set(clock.block_ends()) <= set(synced)
+
+
+def test_the_run_s_final_mark_ends_no_block_when_the_tail_follows_it():
+    """Keras on a mesh marks a step after dispatching the next, except the epoch's final step:
+    ending the last block there would flatter it, so the tail's steps end no block."""
+    clock = compare._Clock(W1_STEPS)
+    times = {i: i * 0.02 for i in range(100 + compare.TAIL_STEPS)}
+    times[100 + compare.TAIL_STEPS - 1] -= 0.015  # the final mark comes without the lag
+    report = _marked(clock, times)
+    assert clock.block_ends() == [9, 39, 69, 99]
+    assert report["block_ms"] == [pytest.approx(20)] * 3
+    assert report["fit_return_s"] == pytest.approx(0.5)  # from the final mark
+    assert compare._data({"kind": "mlp", "dim": 4, "batch": 8, "steps": 100})[0].shape == (8 * 104, 4)
 
 
 def test_every_step_synchronises_when_asked():
