@@ -12,9 +12,9 @@ Both run the forward and backward of ``sum(sin(embedding(ids)))`` in one
 the same loss and table gradient.  Reported: train-step time, and the
 largest tensor device 0 materialises in the forward alone and in the train
 step, read from the per-device programs TF executed (run-metadata partition
-graphs).  The lookup's gradient multiplies each device's own one-hot block
-(TF's gradient of a batched gather would scatter into, and all-reduce, the
-whole table), so the train step's peak tensor is the same for both.
+graphs).  The lookup's gradient is a segment sum of the output gradient into
+each device's own rows (TF's gradient of a batched gather would scatter
+into, and all-reduce, the whole table): no one-hot block in either pass.
 
 Run: python benchmarks/embedding_lookup.py [--vocab 32768]
 """

@@ -219,6 +219,13 @@ def test_rowwise_embedding_gradient_is_the_scatter_of_its_output_gradient():
     np.add.at(want, ids.reshape(-1), w.reshape(-1, 16))
     np.testing.assert_allclose(gather_to_numpy(out), table[ids], atol=1e-6)
     np.testing.assert_allclose(gather_to_numpy(g), want, atol=1e-5)
+    # torch's bytes: the forward all-reduces the [4, S, 16] Partial rows over tp (4), the
+    # backward sums each [V/4, 16] shard gradient over dp (2) only -- never the whole table
+    with CommDebugMode() as comm:
+        grads(shard_batch(tf.constant(ids), mesh((2, 4)), 0), shard_batch(tf.constant(w), mesh((2, 4)), 0))
+    rows_bytes, shard_bytes = 4 * S * 16 * 4, V // 4 * 16 * 4
+    assert comm.get_comm_counts() == {"all_reduce": 2}
+    assert comm.get_comm_bytes()["all_reduce"] == 2 * 3 / 4 * rows_bytes + 2 * 1 / 2 * shard_bytes
 
 
 def test_prepare_module_input_and_output():

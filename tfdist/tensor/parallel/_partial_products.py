@@ -26,7 +26,8 @@ as a Partial, reduce-scattered back onto the sequence.
 
 A vocabulary-sharded ``Embedding`` is looked up the same way: each device
 gathers its own rows for the ids in its range (zeros elsewhere), a Partial
-of ``[batch, seq, dim]`` -- no one-hot ``[batch, seq, vocab/T]``.
+of ``[batch, seq, dim]``; its gradient is a segment sum into the device's
+rows -- no one-hot ``[batch, seq, vocab/T]`` either way.
 """
 
 from __future__ import annotations
@@ -87,17 +88,15 @@ def partial_einsum(
 def partial_lookup(ctx, ids: tf.Tensor, table: tf.Tensor) -> tf.Tensor:
     """Rows of a vocabulary-sharded ``table`` ``[V, D]`` for ``ids``, as a stacked Partial ``[T, *ids.shape, D]``.
 
-    Device ``t`` owns rows ``[t V/T, (t+1) V/T)``: it gathers the ids in that
-    range from its own rows and gives zeros for the others.
+    Device ``t`` owns rows ``[t V/T, (t+1) V/T)``: it gathers row ``id mod V/T``
+    of its shard for every id and keeps those it owns (zeros for the others).
     """
     parts = ctx.root.shape[_tp_dim(ctx)]
     vocab, mesh = int(table.shape[0]), ctx.root.to_tf()
     rows = vocab // parts
     tp = ctx.root.axis_names[_tp_dim(ctx)]
-    local_table = dtensor.relayout(
-        tf.reshape(table, [parts, rows] + table.shape.as_list()[1:]),
-        dtensor.Layout([tp] + [dtensor.UNSHARDED] * table.shape.rank, mesh),
-    )
+    shard_layout = dtensor.Layout([tp] + [dtensor.UNSHARDED] * table.shape.rank, mesh)
+    local_table = dtensor.relayout(tf.reshape(table, [parts, rows] + table.shape.as_list()[1:]), shard_layout)
     ids = tf.cast(ids, tf.int32)
     if tf.executing_eagerly():  # as TF's gather on CPU: an id no device owns is an error, not zeros
         low, high = int(tf.reduce_min(ids)), int(tf.reduce_max(ids))
@@ -106,31 +105,32 @@ def partial_lookup(ctx, ids: tf.Tensor, table: tf.Tensor) -> tf.Tensor:
                 None, None, f"Embedding lookup: id {low if low < 0 else high} is not in [0, {vocab})."
             )
     rank = ids.shape.rank
-    offsets = tf.reshape(tf.range(parts, dtype=tf.int32) * rows, [parts] + [1] * rank)
-    local = tf.expand_dims(ids, 0) - offsets
-    mine = tf.logical_and(local >= 0, local < rows)
-    index = dtensor.relayout(tf.where(mine, local, tf.zeros_like(local)), _stacked_layout(ctx, rank))
-    lead = "abcefghijklmnopqsuvwxyz"[:rank]
-    table_layout = dtensor.fetch_layout(local_table) if tf.executing_eagerly() else None
+    row = tf.math.floormod(ids, rows)  # the same on every device: always a valid row of a shard
+    # dims [*ids, T, D]: T (the shard axis) after the ids' dims, so that TF DTensor's
+    # UnsortedSegmentSum, which all-reduces over every mesh dim sharding the segment ids,
+    # reduces over the batch's mesh dims only (what data parallelism needs anyway), never tp.
+    to_ids_first = list(range(1, rank + 1)) + [0, rank + 1]
 
     @tf.custom_gradient
     def lookup(local_table):
         def grad(dy):
-            # TF's gradient of a batched gather scatters into the whole [V, D] table and
-            # all-reduces it; each device's rows are instead a product with its own one-hot
-            # block (transient, backward only), summed over the batch.
-            one_hot = dtensor.relayout(tf.one_hot(index, rows, dtype=dy.dtype), _stacked_layout(ctx, rank + 1))
-            dtable = tf.einsum(f"t{lead}r,t{lead}d->trd", one_hot, dy)
-            return dtable if table_layout is None else dtensor.relayout(dtable, table_layout)
+            # each device's rows summed by id: a local segment sum of the [*ids, D] gradient
+            # (no one-hot, nothing of batch x seq x V/T); TF's gradient of the gather would
+            # scatter into the whole [V, D] table and all-reduce it over tp.
+            dy = tf.transpose(dtensor.relayout(dy, _stacked_layout(ctx, rank + 1)), to_ids_first)
+            dshard = tf.math.unsorted_segment_sum(dy, row, rows)  # [rows, T, D]
+            return dtensor.relayout(tf.transpose(dshard, [1, 0, 2]), shard_layout)
 
-        return tf.gather(local_table, index, axis=1, batch_dims=1), grad
+        return tf.gather(local_table, row, axis=1), grad
 
     rows_out = lookup(local_table)
-    # One factor per id, applied in one product (its gradient is one product too): 1 for the
-    # ids this device owns, 0 for another device's, NaN for an id no device owns -- not an
-    # error: raising inside a traced DTensor step would poison TF's collective executor for
-    # the rest of the process.  Built on the [T, *ids] ids, not on the [T, *ids, D] rows.
-    factor = tf.cast(mine, rows_out.dtype)
+    # One factor per id, applied in one product (its gradient is one product too, and masks the
+    # gradient rows the segment sum adds up): 1 for the ids this device owns, 0 for another
+    # device's, NaN for an id no device owns -- not an error: raising inside a traced DTensor
+    # step would poison TF's collective executor for the rest of the process.  Built on the
+    # [T, *ids] ids, not on the [T, *ids, D] rows.
+    owner = tf.expand_dims(tf.math.floordiv(ids, rows), 0)
+    factor = tf.cast(tf.equal(owner, tf.reshape(tf.range(parts, dtype=tf.int32), [parts] + [1] * rank)), rows_out.dtype)
     if not tf.executing_eagerly() and rows_out.dtype.is_floating:
         owned = tf.expand_dims(tf.logical_and(ids >= 0, ids < vocab), 0)
         factor = tf.where(owned, factor, tf.constant(float("nan"), rows_out.dtype))
