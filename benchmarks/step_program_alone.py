@@ -14,6 +14,15 @@ on it (no feeding, no Keras loop), reading the loss only at the ends of a block,
 the wall ms per step, the process CPU ms per step (all threads, ``getrusage``) and the
 voluntary context switches per step.  Writes ``results/step_program_alone_<W>.json`` and
 prints medians and the ratios to the hand-written program.
+
+    python benchmarks/step_program_alone.py --alternate [--workload W2] [--chunks 40] [--steps 5]
+
+holds ``parallelize`` and ``hand_written`` in one process and alternates chunks of
+``--steps`` calls of each (the order flipping every chunk), each chunk ending in a read of
+its loss: a slow spell of the host (this 2-core VM has them, seconds to minutes long) then
+lands on both programs alike, where fresh processes minutes apart see different hosts.
+Writes ``results/step_program_alone_<W>_alternating.json``: per-chunk wall and CPU ms per
+step, the median of the chunk-pair ratios and the ratio of the sums.
 """
 
 from __future__ import annotations
@@ -128,12 +137,69 @@ def worker(program: str, workload: str, steps: int) -> None:
     print("RESULT " + json.dumps({k: statistics.median(b[k] for b in blocks) for k in blocks[0]}), flush=True)
 
 
+def alternate(workload: str, chunks: int, steps: int) -> dict:
+    """``parallelize`` and ``hand_written`` in this process, in alternating chunks of ``steps`` calls."""
+    sys.path.insert(0, HERE)
+    import numpy as np
+    import tensorflow as tf
+    from tensorflow.experimental import dtensor
+
+    import compare
+
+    w = compare.WORKLOADS[workload]
+    x, y = compare._data(w)
+    programs = {"hand_written": _hand_step(w, x, y), "parallelize": _tfdist_step("parallelize", w, x, y)}
+
+    def chunk(run) -> tuple[float, float]:
+        cpu, start = time.process_time(), time.perf_counter()
+        for _ in range(steps):
+            out = run()
+        float(dtensor.unpack(tf.nest.flatten(out)[0])[0])
+        return (time.perf_counter() - start) / steps * 1e3, (time.process_time() - cpu) / steps * 1e3
+
+    for run in programs.values():  # warm-up
+        chunk(run)
+    times: dict = {p: [] for p in programs}
+    for i in range(chunks):
+        for p in (list(programs) if i % 2 == 0 else list(programs)[::-1]):
+            times[p].append(chunk(programs[p]))
+    par, hand = np.array(times["parallelize"]), np.array(times["hand_written"])
+    ratios = {k: {"median of chunk pairs": float(np.median(par[:, j] / hand[:, j])),
+                  "ratio of sums": float(par[:, j].sum() / hand[:, j].sum())} for j, k in enumerate(("wall_ms", "cpu_ms"))}
+    return {"summary": {p: {"wall_ms": float(np.median(np.array(t)[:, 0])), "cpu_ms": float(np.median(np.array(t)[:, 1]))}
+                        for p, t in times.items()},
+            "parallelize/hand_written": ratios, "chunks": {p: [[round(a, 3), round(b, 3)] for a, b in t] for p, t in times.items()}}
+
+
+def main_alternate(args) -> None:
+    out = alternate(args.workload, args.chunks, args.steps)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout.strip()
+    out = {"command": "python benchmarks/step_program_alone.py " + " ".join(sys.argv[1:]), "commit": commit,
+           "workload": args.workload, "chunks": args.chunks, "steps per chunk": args.steps, **out}
+    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
+    with open(os.path.join(HERE, "results", f"step_program_alone_{args.workload}_alternating.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"\n| {args.workload} program, one process | wall ms/step | CPU ms/step |")
+    print("| --- | --- | --- |")
+    for p, s in out["summary"].items():
+        print(f"| {p} | {s['wall_ms']:.1f} | {s['cpu_ms']:.1f} |")
+    for k, r in out["parallelize/hand_written"].items():
+        print(f"parallelize / hand_written {k}: {r['median of chunk pairs']:.3f} (median of chunk pairs), "
+              f"{r['ratio of sums']:.3f} (ratio of sums)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", default="W2", choices=["W1", "W2"])
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--steps", type=int, default=None, help="steps per block (50) or per chunk (5)")
+    parser.add_argument("--alternate", action="store_true", help="parallelize and hand_written in one process")
+    parser.add_argument("--chunks", type=int, default=40)
     args = parser.parse_args()
+    if args.alternate:
+        args.steps = args.steps or 5
+        return main_alternate(args)
+    args.steps = args.steps or 50
     runs: dict = {p: [] for p in PROGRAMS}
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     for r in range(args.rounds):
