@@ -221,9 +221,12 @@ def _supervise(args, procs: list[subprocess.Popen], received: list[int], first_r
         failed = [(first_rank + i, c) for i, c in enumerate(codes) if c not in (None, 0)]
         if failed:
             rank, code = failed[0]
-            if received and code in (-s for s in received):
-                # the processes ended on the signal the launcher forwarded: not a failure of theirs
+            if received:
+                # the clients ended after the launcher forwarded a signal: not a failure of theirs,
+                # whatever their code (-SIGINT, or 1 from a KeyboardInterrupt -- also raised while
+                # Python itself starts, where site's import fails on it)
                 sys.stderr.write(f"tfdist run: interrupted by {signal.Signals(received[0]).name}; stopping\n")
+                code = -received[0]
             else:
                 sys.stderr.write(
                     f"tfdist run: rank {rank} exited with code {code}; stopping the other "
