@@ -165,10 +165,12 @@ def alternate(workload: str, chunks: int, steps: int) -> dict:
             times[p].append(chunk(programs[p]))
     par, hand = np.array(times["parallelize"]), np.array(times["hand_written"])
     ratios = {k: {"median of chunk pairs": float(np.median(par[:, j] / hand[:, j])),
-                  "ratio of sums": float(par[:, j].sum() / hand[:, j].sum())} for j, k in enumerate(("wall_ms", "cpu_ms"))}
-    return {"summary": {p: {"wall_ms": float(np.median(np.array(t)[:, 0])), "cpu_ms": float(np.median(np.array(t)[:, 1]))}
-                        for p, t in times.items()},
-            "parallelize/hand_written": ratios, "chunks": {p: [[round(a, 3), round(b, 3)] for a, b in t] for p, t in times.items()}}
+                  "ratio of sums": float(par[:, j].sum() / hand[:, j].sum())}
+              for j, k in enumerate(("wall_ms", "cpu_ms"))}
+    summary = {p: {"wall_ms": float(np.median(np.array(t)[:, 0])), "cpu_ms": float(np.median(np.array(t)[:, 1]))}
+               for p, t in times.items()}
+    chunks_ms = {p: [[round(a, 3), round(b, 3)] for a, b in t] for p, t in times.items()}
+    return {"summary": summary, "parallelize/hand_written": ratios, "chunks": chunks_ms}
 
 
 def main_alternate(args) -> None:
