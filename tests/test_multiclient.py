@@ -158,6 +158,21 @@ def test_two_nodes_on_one_host():
     assert "[rank 0] OK rank 0 of 4 clients" in outs[0][0] and "[rank 3] OK rank 3 of 4 clients" in outs[1][0]
 
 
+def test_a_client_ending_with_code_1_after_a_forwarded_signal_is_the_interruption(capsys):
+    """A client that gets the forwarded SIGINT while Python starts raises KeyboardInterrupt and
+    exits with code 1, not -SIGINT: the job is still interrupted (128 + SIGINT), not failed."""
+    import argparse
+
+    from tfdist.run import _supervise
+
+    client = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(1)"])
+    client.wait(timeout=30)
+    status = _supervise(argparse.Namespace(timeout=10), [client], [signal.SIGINT], 0)
+    err = capsys.readouterr().err
+    assert status == 128 + signal.SIGINT, (status, err)
+    assert "interrupted by SIGINT" in err and "exited with code" not in err, err
+
+
 def test_ctrl_c_is_reported_as_an_interruption():
     """SIGINT kills the clients (the default handler); the launcher says so, not "rank 1 failed"."""
     proc, _ = start_sleepers()
