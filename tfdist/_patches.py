@@ -61,7 +61,6 @@ _CORE = "keras.src.backend.tensorflow.core"
 _OPT = "keras.src.backend.tensorflow.optimizer"
 _FILL = "fills Keras' empty TF distribution_lib, which keras.distribution calls"
 _NOISE = "the noise layers draw a hash of (seed, global index): the same noise on every mesh"
-_HOST_MASK = "an eager mask built on the host goes onto the query's mesh (eager DTensor refuses host tensors)"
 _READ = "reads after writes in one traced step see the written value (TF DTensor stale read on 2-D meshes)"
 
 PATCHES: tuple[Patch, ...] = (
@@ -80,6 +79,9 @@ PATCHES: tuple[Patch, ...] = (
           _READ + "; inside an FSDP layer's call, a parameter reads as its all-gathered value"),
     Patch(_CORE, "Variable", "handle", ("self",), "process", "the DVariable's handle"),
     Patch(_CORE, "Variable", "numpy", ("self",), "process", "gathers a sharded variable to one array"),
+    Patch("keras.src.backend", None, "convert_to_numpy", ("x",), "process",
+          "keras.ops.convert_to_numpy of a sharded DTensor (a model's eager output) gathers it to one array, "
+          "as on JAX; TF refuses to copy a sharded DTensor to the host"),
     Patch(_CORE, "Variable", "__array__", ("self", "dtype"), "process", "gathers a sharded variable to one array"),
     Patch("keras.src.layers.layer", "Layer", "add_weight",
           ("self", "args", "shape", "initializer", "dtype", "trainable", "autocast", "regularizer",
@@ -110,12 +112,6 @@ PATCHES: tuple[Patch, ...] = (
           ("self", "target", "sources", "output_gradients", "unconnected_gradients"), "process",
           "an eager tape seeds a DTensor target's gradient with a DTensor (TF's host seed fails in eager DTensor)",
           "tensorflow 2.21"),
-    Patch("keras.src.layers.attention.multi_head_attention", "MultiHeadAttention", "_compute_causal_mask",
-          ("self", "query", "value"), "process", _HOST_MASK),
-    Patch("keras.src.layers.attention.multi_head_attention", "MultiHeadAttention", "_compute_sliding_window_mask",
-          ("self", "query", "value"), "process", _HOST_MASK),
-    Patch("keras.src.backend.tensorflow.nn", None, "_apply_masks", ("logits", "mask", "is_causal"), "process",
-          _HOST_MASK),
     Patch("keras.src.backend.tensorflow.random", None, "dropout", ("inputs", "rate", "noise_shape", "seed"),
           "process", "dropout masks are a hash of (seed, global index): the same on every mesh"),
     Patch("keras.src.layers.regularization.gaussian_noise", "GaussianNoise", "call", ("self", "inputs", "training"),
@@ -130,7 +126,8 @@ PATCHES: tuple[Patch, ...] = (
           "with", _NOISE),
     Patch("keras.src.layers.layer", "Layer", "__call__", ("self", "args", "kwargs"), "process",
           "plain eager inputs of a layer on a mesh are replicated onto it (torch's Replicate annotation; "
-          "eager DTensor refuses host tensors)"),
+          "eager DTensor refuses host tensors), and the eager call of a built layer on a mesh runs traced, "
+          "so tensors its code makes (masks, ranges) are constants TF DTensor replicates"),
     Patch("keras.src.losses.loss", "Loss", "__call__", ("self", "y_true", "y_pred", "sample_weight"), "process",
           "eager labels/sample weights beside DTensor predictions go onto their mesh (torch's Replicate annotation)"),
     Patch("keras.src.losses.loss", None, "reduce_values", ("values", "sample_weight", "reduction"), "with",

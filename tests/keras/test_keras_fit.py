@@ -6,6 +6,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from tensorflow.experimental import dtensor
 
 import tfdist.keras  # noqa: F401  (installs the TF backend of keras.distribution)
 from keras_helpers import DenseAdam, make_mlp, max_weight_diff, model_parallel, no_global_distribution  # noqa: F401
@@ -154,23 +155,48 @@ def test_indivisible_batch_trains_like_one_device():
     assert max_weight_diff(ref, model) < 1e-5
 
 
-def test_layout_map_key_matching_nothing_is_an_error():
+def test_layout_map_key_matching_nothing_is_a_warning_and_strict_makes_it_an_error():
     mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"])
     layout_map = keras.distribution.LayoutMap(mesh)
-    layout_map["up/kernel"] = (None, "model")  # misses the model-name prefix
+    layout_map[".*up/kernel"] = (None, "model")
+    layout_map["up/kernel"] = (None, "model")  # misses the model-name prefix: Keras ignores it
+    layout_map[".*down/output"] = ("batch", None)  # a layer output: matches, no warning for it
     keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map))
     model = compile_(make_mlp())
-    with pytest.raises(ValueError, match=r"LayoutMap keys \['up/kernel'\] match no variable"):
+    with pytest.warns(UserWarning, match=r"LayoutMap keys \['up/kernel'\] match no variable"):
         model.fit(X, Y, batch_size=16, epochs=1, verbose=0)
+    assert np.isfinite(model.evaluate(X, Y, verbose=0)).all()
+
+    strict = tfdist.keras.LayoutMap(mesh, strict=True)
+    strict["up/kernel"] = (None, "model")
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=strict))
+    model = compile_(make_mlp())
+    with pytest.raises(ValueError, match=r"LayoutMap keys \['up/kernel'\] match no variable.*strict=True"):
+        model.fit(X, Y, batch_size=16, epochs=1, verbose=0)
+    with pytest.raises(ValueError, match="strict must be a bool. Received: strict='yes'"):
+        tfdist.keras.LayoutMap(mesh, strict="yes")
 
 
-def test_variable_not_divisible_is_a_clear_error():
+def test_uneven_variable_dim_is_kept_whole_with_a_warning_and_trains_like_one_device():
+    def make():
+        keras.utils.set_random_seed(0)
+        return compile_(keras.Sequential([keras.Input((16,)), keras.layers.Dense(6, name="odd"),
+                                          keras.layers.Dense(8, name="down")]))
+
+    ref = make()
+    ref.fit(X, Y, batch_size=16, epochs=2, verbose=0, shuffle=False)
     mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"])
     layout_map = keras.distribution.LayoutMap(mesh)
-    layout_map[".*odd/kernel"] = (None, "model")
-    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map))
-    with pytest.raises(ValueError, match="is not divisible by mesh dim 'model'"):
-        keras.Sequential([keras.Input((4,)), keras.layers.Dense(6, name="odd")])
+    layout_map[".*odd/kernel"] = (None, "model")  # 6 columns over 4 devices: uneven (JAX pads)
+    layout_map[".*down/kernel"] = ("model", None)  # 6 rows over 4 devices
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map,
+                                                                         batch_dim_name="batch"))
+    with pytest.warns(UserWarning, match=r"'sequential.*/odd/kernel' has shape \(16, 6\); dim 1 \(6\) does "
+                                         r"not split evenly over mesh dim 'model' of size 4"):
+        model = make()
+    assert model.layers[0].kernel._value.layout.sharding_specs == [dtensor.UNSHARDED, dtensor.UNSHARDED]
+    model.fit(X, Y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+    assert max_weight_diff(ref, model) < 1e-5
 
 
 def test_tfdist_layout_map_takes_styles_placements_and_axes():

@@ -227,3 +227,19 @@ def test_fit_enters_loss_parallel_to_trace_its_steps_not_to_run_them(monkeypatch
     monkeypatch.setattr(_trainer, "loss_parallel", lambda: entered.append(1) or block())
     np.testing.assert_allclose(train(model), want, rtol=1e-5)
     assert len(entered) == 1  # 10 steps over 2 epochs, one batch signature: one trace
+
+
+@pytest.mark.parametrize("target", ["numpy", "tf.Tensor"])
+def test_plain_targets_eagerly_and_in_tf_function(target):
+    """torch's example passes a plain target next to sharded logits: eagerly, as a traced
+    function's argument, and captured by its closure (before: 'got a regular tensor')."""
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    want = loss_fn(tf.constant(LABELS), tf.constant(LOGITS)).numpy()
+    labels = LABELS if target == "numpy" else tf.constant(LABELS)
+    _, logits = sharded_logits()
+    with loss_parallel():
+        eager = loss_fn(labels, logits)
+        captured = tf.function(lambda lg: loss_fn(labels, lg))(logits)
+        argument = tf.function(lambda y, lg: loss_fn(y, lg))(tf.constant(LABELS), logits)
+    for got in (eager, captured, argument):
+        np.testing.assert_allclose(gather_to_numpy(got), want, rtol=1e-12)

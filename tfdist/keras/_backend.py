@@ -66,8 +66,26 @@ def _as_tf_layout(layout: Any) -> dtensor.Layout:
     return to_tf_layout(layout)
 
 
-def distribute_tensor(tensor: Any, layout: Any) -> tf.Tensor:
-    """Relayouts a value (eager or in a traced step) onto ``layout``."""
+def distribute_tensor(tensor: Any, layout: Any) -> Any:
+    """Relayouts a value (eager or in a traced step) onto ``layout``.
+
+    A nested value (a layer returning a tuple or dict, given an ``/output``
+    layout) has each tensor of the rank of the layout relayouted; other
+    leaves pass through, as under JAX's sharding constraint on a pytree.
+    """
+    if tf.nest.is_nested(tensor):
+        return tf.nest.map_structure(lambda t: _distribute_leaf(t, layout), tensor)
+    return _distribute_one(tensor, layout)
+
+
+def _distribute_leaf(tensor: Any, layout: Any) -> Any:
+    rank = len(getattr(layout, "axes", ())) if not hasattr(layout, "for_tensor") else None
+    if not isinstance(tensor, (tf.Tensor, tf.Variable)) or (rank is not None and tensor.shape.rank != rank):
+        return tensor
+    return _distribute_one(tensor, layout)
+
+
+def _distribute_one(tensor: Any, layout: Any) -> tf.Tensor:
     if hasattr(layout, "for_tensor"):  # a tfdist LayoutMap value, resolved by rank
         layout = layout.for_tensor(tensor)
         if layout is None:

@@ -30,9 +30,13 @@ on a distributed model.  tfdist seeds a DTensor target with
 ``ones_like(target)``, a DTensor of the target's layout (what
 ``output_gradients`` would be by hand).
 
-3. Masks Keras builds on the host while a layer runs: MultiHeadAttention's
-causal and sliding-window masks (``ops.ones`` + ``cumsum``), and the causal
-mask of the TF backend's ``dot_product_attention`` (``band_part`` of ones).
+3. Tensors a layer makes while it runs (masks, ranges, position ids) next
+to DTensors: eager TF DTensor refuses them, and listing such sites one by one
+cannot end (every library's layers make their own). So an eager call of a
+built layer whose variables are on a mesh runs as a ``tf.function`` of its
+call: in a traced program those tensors are constants, which TF DTensor's
+layout propagation replicates itself. Plain inputs are first replicated onto
+the layer's mesh (4).
 
 4. A model or layer called eagerly on a plain tensor or array (``model(x)``
 to build or try a model under ``keras.distribution``): the inputs are
@@ -42,14 +46,12 @@ the layouts apply as in ``fit``.
 
 5. Labels and sample weights given to a Keras loss next to DTensor
 predictions, eagerly: replicated onto the predictions' mesh (torch's
-``Replicate`` annotation of a plain tensor).  In eager
-mode, next to DTensor activations, they are copied onto the query's mesh,
-replicated, so a notebook's first ``model(x)`` works as in torch (in a
-traced function they are graph constants, which DTensor replicates itself).
+``Replicate`` annotation of a plain tensor).
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Sequence
 
 import numpy as np
@@ -58,16 +60,16 @@ from tensorflow.experimental import dtensor
 from tensorflow.python.eager import context
 
 import keras
+from keras.src.backend.common.keras_tensor import any_symbolic_tensors
+from keras.src.backend.common.stateless_scope import in_stateless_scope
 
 from tfdist import _patches
 from tfdist.keras import _variables
 from tfdist.keras._backend import tfdist_mesh
+from tfdist.keras._data import gather_to_numpy
 
 _NAME = "tensorflow.python.eager.polymorphic_function.concrete_function:ConcreteFunction._call_flat"
 _GRADIENT = "tensorflow.python.eager.backprop:GradientTape.gradient"
-_MHA = "keras.src.layers.attention.multi_head_attention:MultiHeadAttention."
-_MASKS = ("_compute_causal_mask", "_compute_sliding_window_mask")
-_APPLY_MASKS = "keras.src.backend.tensorflow.nn:_apply_masks"
 _LOSS_CALL = "keras.src.losses.loss:Loss.__call__"
 _LAYER_CALL = "keras.src.layers.layer:Layer.__call__"
 _NOT_DATA = (tf.resource, tf.variant)
@@ -118,32 +120,6 @@ def beside(mask: Any, like: Any) -> Any:
     return mask
 
 
-def _install_masks() -> None:
-    for name in _MASKS:
-        original = _patches.original(_MHA + name)
-
-        def compute_mask(self, query, value=None, _original=original):
-            return beside(_original(self, query, value), query)
-
-        compute_mask.__name__ = name
-        _patches.install(_MHA + name, compute_mask)
-
-
-def _install_backend_causal_mask() -> None:
-    original = _patches.original(_APPLY_MASKS)
-
-    def apply_masks(logits, mask, is_causal):
-        if is_causal and tf.executing_eagerly() and dtensor.is_dtensor(logits):
-            rows, cols = logits.shape[2], logits.shape[3]
-            causal = beside(tf.reshape(tf.linalg.band_part(tf.ones((rows, cols), tf.bool), -1, 0),
-                                       (1, 1, rows, cols)), logits)
-            mask = causal if mask is None else tf.logical_and(beside(mask, logits), causal)
-            return original(logits, mask, False)
-        return original(logits, mask, is_causal)
-
-    _patches.install(_APPLY_MASKS, apply_masks)
-
-
 def _as_tensor(value: Any) -> Any:
     """Arrays become tensors; other values (None, nested structures) stay as they are."""
     return tf.convert_to_tensor(value) if isinstance(value, np.ndarray) else value
@@ -175,12 +151,37 @@ def lift_layer_inputs(layer: Any, args: tuple, kwargs: dict) -> tuple[tuple, dic
     return tf.nest.pack_sequence_as((args, kwargs), flat)
 
 
+_TRACED_CALLS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+
+
+def _runs_on_a_mesh(layer: Any, args: tuple, kwargs: dict) -> bool:
+    """``layer`` is built, holds DTensor variables, and computes values (no symbolic inputs,
+    no stateless scope)."""
+    return bool(layer.built) and not in_stateless_scope() and not any_symbolic_tensors(args, kwargs) and any(
+        _variables.is_dtensor_variable(v) for v in layer.variables)
+
+
+def traced_call(layer: Any, call: Any) -> Any:
+    """``layer``'s call as a ``tf.function`` (one per layer, retraced as tf.function does)."""
+    function = _TRACED_CALLS.get(layer)
+    if function is None:
+        function = _TRACED_CALLS[layer] = tf.function(lambda *args, **kwargs: call(layer, *args, **kwargs))
+    return function
+
+
 def _install_layer_inputs() -> None:
     original = _patches.original(_LAYER_CALL)
 
     def call(self, *args, **kwargs):
-        if tf.executing_eagerly():
-            args, kwargs = lift_layer_inputs(self, args, kwargs)
+        if not tf.executing_eagerly():
+            return original(self, *args, **kwargs)
+        args, kwargs = lift_layer_inputs(self, args, kwargs)
+        if _runs_on_a_mesh(self, args, kwargs):
+            # Eager TF DTensor refuses an op mixing a DTensor with a host tensor larger than a
+            # scalar (dtensor_device.cc), and layer code makes such tensors everywhere (masks,
+            # position ids, ranges). In a traced program they are constants that TF DTensor's
+            # layout propagation replicates, so an eager call on a mesh runs traced.
+            return traced_call(self, original)(*args, **kwargs)
         return original(self, *args, **kwargs)
 
     _patches.install(_LAYER_CALL, call)
@@ -199,10 +200,9 @@ def _install_loss_inputs() -> None:
 
 
 def install() -> None:
-    _install_masks()
     _install_loss_inputs()
     _install_layer_inputs()
-    _install_backend_causal_mask()
+    _install_convert_to_numpy()
     original_gradient = _patches.original(_GRADIENT)
 
     def gradient(self, target, sources, output_gradients=None, unconnected_gradients=tf.UnconnectedGradients.NONE):
@@ -215,7 +215,21 @@ def install() -> None:
 
     def call_flat(self, tensor_inputs, captured_inputs):
         if context.executing_eagerly():
-            tensor_inputs = lift_plain_inputs(tensor_inputs, captured_inputs)
+            # arguments, and tensors the function captured from Python (a target in a closure)
+            lifted = lift_plain_inputs(list(tensor_inputs) + list(captured_inputs), ())
+            tensor_inputs, captured_inputs = lifted[:len(tensor_inputs)], lifted[len(tensor_inputs):]
         return original(self, tensor_inputs, captured_inputs)
 
     _patches.install(_NAME, call_flat)
+
+
+def _install_convert_to_numpy() -> None:
+    name = "keras.src.backend:convert_to_numpy"
+    original = _patches.original(name)
+
+    def convert_to_numpy(x):
+        if isinstance(x, tf.Tensor) and dtensor.is_dtensor(x):
+            return np.array(gather_to_numpy(x))
+        return original(x)
+
+    _patches.install(name, convert_to_numpy)

@@ -44,10 +44,19 @@ class LayoutMap(KerasLayoutMap):
         layout_map[".*mlp/dense/.*"] = ColwiseParallel()
         layout_map[".*mlp/dense_1/kernel"] = (Shard(0), Replicate())   # placements per mesh dim
         layout_map[".*embeddings"] = (None, "model")                     # Keras axes
+        layout_map["dense.*/output"] = ("batch", None)                   # an activation layout
+
+    A key that matches no variable and no layer output is reported when the
+    model first trains, evaluates or predicts: a warning (Keras ignores such
+    keys, and libraries' maps carry keys for optional layers), an error with
+    ``strict=True``.
     """
 
-    def __init__(self, device_mesh: Any, tp_dim_name: str | None = None) -> None:
+    def __init__(self, device_mesh: Any, tp_dim_name: str | None = None, strict: bool = False) -> None:
         super().__init__(device_mesh)
+        if not isinstance(strict, bool):
+            raise ValueError(f"strict must be a bool. Received: strict={strict!r}")
+        self.strict = strict
         self.tp_dim_name = tp_dim_name or device_mesh.axis_names[-1]
         if self.tp_dim_name not in device_mesh.axis_names:
             raise ValueError(

@@ -124,6 +124,11 @@ def _ensure_base_call(layer: Any) -> None:
         layer.call = functools.wraps(layer.call)(lambda *args, **kwargs: layer._tfdist_base_call(*args, **kwargs))
 
 
+def _own_call(layer: Any, base: type) -> bool:
+    """``layer`` is a ``base`` whose class runs ``base``'s own call."""
+    return isinstance(layer, base) and type(layer).call is base.call
+
+
 class KerasModules:
     """The ModuleBackend for Keras 3 layers and models."""
 
@@ -151,19 +156,25 @@ class KerasModules:
         return bool(getattr(layer, "built", False))
 
     def layer_kind(self, layer: Any) -> LayerKind:
+        """What a layer computes, known only where its class keeps the Keras base's ``call``.
+
+        A subclass that overrides ``call`` (keras-hub's ReversibleEmbedding,
+        which also multiplies by the transposed table) computes something
+        else: it is an "other" layer, run as its own code.
+        """
         use_bias = bool(getattr(layer, "use_bias", True))
-        if isinstance(layer, keras.layers.EinsumDense):
+        if _own_call(layer, keras.layers.EinsumDense):
             return LayerKind("einsum", use_bias=bool(layer.bias_axes), equation=layer.equation.replace(" ", ""),
                              bias_axes=layer.bias_axes or "")
-        if isinstance(layer, keras.layers.Embedding):
+        if _own_call(layer, keras.layers.Embedding):
             return LayerKind("embedding", use_bias=False, num_embeddings=int(layer.input_dim))
-        if isinstance(layer, keras.layers.Dense):
+        if _own_call(layer, keras.layers.Dense):
             return LayerKind("dense", use_bias=use_bias)
-        if isinstance(layer, _NORMS):
+        if isinstance(layer, _NORMS) and any(_own_call(layer, base) for base in _NORMS):
             return LayerKind("norm", use_bias=use_bias)
         if isinstance(layer, keras.layers.Dropout):
             return LayerKind("dropout", use_bias=False)
-        if isinstance(layer, keras.layers.MultiHeadAttention):
+        if _own_call(layer, keras.layers.MultiHeadAttention):
             return LayerKind("attention", use_bias=use_bias)
         return LayerKind("other", use_bias=use_bias)
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
+import warnings
+import weakref
 from typing import Any
 
 import keras
@@ -69,21 +71,37 @@ def mesh_of(model):
     return mesh, batch_axis
 
 
+_LAYOUT_MAPS_CHECKED: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
 def check_layout_map(model) -> None:
-    """Every LayoutMap key must match a variable: a silently replicated model is an error."""
+    """A LayoutMap key that matches no variable and no layer output is reported once per model.
+
+    Keras ignores such keys, and libraries' maps carry keys for optional
+    layers (keras-hub's Qwen3-MoE map names dense FFN kernels an all-MoE
+    config lacks): a warning naming them, an error for a
+    ``tfdist.keras.LayoutMap(..., strict=True)``.
+    """
     distribution = distribution_of(model)
     layout_map = getattr(distribution, "_layout_map", None)
-    if layout_map is None or getattr(model, "_tfdist_layout_map_checked", False):
+    if layout_map is None or model in _LAYOUT_MAPS_CHECKED:
         return
+    _LAYOUT_MAPS_CHECKED.add(model)
     paths = [v.path for v in model.variables]
+    # Keras looks up "<layer path>/output" for every layer call (activation layouts)
+    paths += [f"{layer.path}/output" for layer in model._flatten_layers(include_self=True)
+              if getattr(layer, "path", None)]
     unused = [k for k in layout_map if k not in paths and not any(re.fullmatch(k, p) for p in paths)]
-    if unused:
-        raise ValueError(
-            f"LayoutMap keys {unused} match no variable of the model, so what they "
-            f"describe would silently stay replicated. The model's variable paths are: "
-            f"{paths[:12]}{' ...' if len(paths) > 12 else ''}. Fix the regular expressions."
-        )
-    model._tfdist_layout_map_checked = True
+    if not unused:
+        return
+    message = (
+        f"LayoutMap keys {unused} match no variable and no layer output of the model "
+        f"{model.name!r}; what they describe is not applied. The model's variable and layer output paths are: "
+        f"{paths[:12]}{' ...' if len(paths) > 12 else ''}."
+    )
+    if getattr(layout_map, "strict", False):
+        raise ValueError(message + " (the LayoutMap was made with strict=True)")
+    warnings.warn(message, UserWarning, stacklevel=3)
 
 
 def is_distributed(model) -> bool:

@@ -17,6 +17,7 @@ the program then reads "the value it computed", which TF DTensor gets right.
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from typing import Any
 
@@ -26,8 +27,10 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfdist import _patches
-from tfdist.keras._backend import _as_tf_layout, distribute_tensor
+from tfdist.fsdp import FSDPStyle
+from tfdist.keras._backend import _as_tf_layout, distribute_tensor, tfdist_mesh
 from tfdist.keras._data import gather_to_numpy
+from tfdist.tensor._modules import module_backend
 from tfdist.tensor._redistribute import relayout
 
 __all__ = [
@@ -187,7 +190,50 @@ def _pick_layout(variable: Any) -> dtensor.Layout | None:
             "is a full-match regex over variable paths: make it match only variables of that rank "
             "(e.g. '.*dense/kernel', not '.*' which also matches the biases), or give one axis per dim."
         )
-    return _as_tf_layout(layout)
+    tf_layout = _even_layout(variable, _as_tf_layout(layout))
+    _gather_where_used(tf_layout, distribution, layer)
+    return tf_layout
+
+
+def _even_layout(variable: Any, layout: dtensor.Layout) -> dtensor.Layout:
+    """``layout`` with every dim the mesh cannot split evenly kept whole on that mesh dim.
+
+    JAX pads such a dim; a Keras variable on TF DTensor must have even shards
+    (a DVariable's shards are equal and its shape is Keras' shape), so a
+    layout map's uneven dim is stored replicated on that mesh dim. The
+    values are the same either way; the variable takes more memory, said in a
+    warning naming it.
+    """
+    mesh_shape = dict(zip(layout.mesh.dim_names, layout.mesh.shape()))
+    specs = list(layout.sharding_specs)
+    uneven = [d for d, spec in enumerate(specs)
+              if spec in mesh_shape and variable.shape[d] % mesh_shape[spec]]
+    if not uneven:
+        return layout
+    for d in uneven:
+        warnings.warn(
+            f"variable '{variable.path}' has shape {tuple(variable.shape)}; dim {d} "
+            f"({variable.shape[d]}) does not split evenly over mesh dim {specs[d]!r} of size "
+            f"{mesh_shape[specs[d]]}, so it is kept whole on that mesh dim (same values, more memory).",
+            UserWarning, stacklevel=2,
+        )
+        specs[d] = dtensor.UNSHARDED
+    return dtensor.Layout(specs, layout.mesh)
+
+
+def _gather_where_used(layout: dtensor.Layout, distribution: Any, layer: Any) -> None:
+    """A weight sharded over the batch mesh dim is stored like FSDP and gathered where used.
+
+    JAX's GSPMD gathers such a weight where an op needs it; TF DTensor's SPMD
+    expander refuses a product whose operands shard one dim over two mesh dims
+    (the batch of the input, the batch of the weight). So the layer holding
+    it gathers it over the batch dim in its call and reduce-scatters its
+    gradient, as ``FSDPStyle`` layers do.
+    """
+    batch = getattr(distribution, "batch_dim_name", None)
+    if batch is None or layer is None or batch not in layout.sharding_specs:
+        return
+    FSDPStyle().attach(module_backend(layer, "a layout map"), layer, tfdist_mesh(distribution.device_mesh)[batch])
 
 
 def check_divisible(variable: Any, layout: dtensor.Layout) -> None:

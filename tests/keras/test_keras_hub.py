@@ -1,0 +1,108 @@
+"""keras-hub's own backbones and layout maps on TensorFlow with tfdist, against one device.
+
+keras-hub ships ``Backbone.get_layout_map(device_mesh)`` for its large
+families. Those maps shard weights over the batch mesh dim too (storage like
+FSDP, which JAX's GSPMD gathers where the weight is used), name dims that do
+not split evenly (2 key/value heads over a 4-way model dim), and carry keys
+for layers a config may lack. Each test builds the same tiny config on one
+device and under ``ModelParallel(layout_map=Backbone.get_layout_map(mesh))``
+and compares what a user sees: ``fit`` losses and weights, ``predict``, an
+eager call of the backbone.
+
+keras-hub computes parts of its layers in float32 whatever the policy
+(rotary embeddings, softmax), so the comparisons are float32 ones.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+
+import tfdist.keras  # noqa: F401  (installs the TF backend of keras.distribution)
+from keras_helpers import DenseAdam, no_global_distribution  # noqa: F401
+
+keras_hub = pytest.importorskip("keras_hub", reason="keras-hub is a test extra: pip install -e '.[test]'")
+
+VOCAB, BATCH, SEQ = 64, 16, 8
+COMMON = dict(vocabulary_size=VOCAB, num_layers=2, hidden_dim=32, intermediate_dim=64)
+
+
+def _families():
+    m = keras_hub.models
+    return {
+        # 2 key/value heads over a 4-way model dim: uneven, kept whole on that dim
+        "llama": (m.LlamaBackbone, m.LlamaCausalLM, dict(num_query_heads=4, num_key_value_heads=2)),
+        "qwen": (m.QwenBackbone, m.QwenCausalLM, dict(num_query_heads=4, num_key_value_heads=2)),
+        "qwen2": (m.Qwen2Backbone, m.Qwen2CausalLM, dict(num_query_heads=4, num_key_value_heads=2)),
+        # tied embeddings: the token embedding also computes the logits (reverse=True)
+        "gemma": (m.GemmaBackbone, m.GemmaCausalLM, dict(num_query_heads=4, num_key_value_heads=4, head_dim=8)),
+    }
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, VOCAB, (BATCH, SEQ)).astype("int32")
+    return {"token_ids": ids, "padding_mask": np.ones_like(ids)}, np.roll(ids, -1, axis=1)
+
+
+def _train(family: str, steps: int = 4):
+    backbone_cls, lm_cls, kwargs = _families()[family]
+    keras.utils.set_random_seed(0)
+    lm = lm_cls(backbone=backbone_cls(**COMMON, **kwargs), preprocessor=None)
+    lm.compile(optimizer=DenseAdam(1e-2), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = _data()
+    history = lm.fit(x, y, batch_size=BATCH, epochs=steps, verbose=0, shuffle=False)
+    return lm, history.history["loss"]
+
+
+def _check_against_one_device(family: str, mesh_shape: tuple[int, int]) -> None:
+    x, _ = _data()
+    ref, ref_losses = _train(family)
+    ref_predict, ref_eager = ref.predict(x, verbose=0), keras.ops.convert_to_numpy(ref.backbone(x))
+    mesh = keras.distribution.DeviceMesh(mesh_shape, ["batch", "model"])
+    layout_map = _families()[family][0].get_layout_map(mesh)
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map,
+                                                                         batch_dim_name="batch"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # uneven dims kept whole: said once per variable
+        lm, losses = _train(family)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
+    for a, b in zip(ref.get_weights(), lm.get_weights()):
+        np.testing.assert_allclose(b, a, atol=1e-4)
+    np.testing.assert_allclose(lm.predict(x, verbose=0), ref_predict, atol=1e-4)
+    # an eager call: masks and positions made inside the layers meet DTensors
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(lm.backbone(x)), ref_eager, atol=1e-4)
+
+
+def test_llama_layout_map_with_weights_over_the_batch_dim_trains_like_one_device():
+    """Llama's map shards FFN kernels (batch, model): before, TF DTensor refused the matmul
+    ("Contracting dimension ... sharding dimension batch ... and model ... not supported")."""
+    _check_against_one_device("llama", (2, 4))
+
+
+def test_a_layout_map_key_for_an_absent_layer_is_a_warning_not_an_error():
+    """Qwen3-MoE's own map names dense FFN kernels that an all-MoE config does not have."""
+    mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"])
+    layout_map = keras_hub.models.Qwen3MoeBackbone.get_layout_map(mesh)
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map,
+                                                                         batch_dim_name="batch"))
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.Qwen3MoeBackbone(
+        **COMMON, num_query_heads=4, num_key_value_heads=4, head_dim=8, moe_intermediate_dim=16,
+        num_experts=4, top_k=2)
+    from tfdist.keras._trainer import check_layout_map
+
+    with pytest.warns(UserWarning, match=r"feedforward_intermediate_dense.kernel.*match no variable"):
+        check_layout_map(backbone)
+    embeddings = backbone.get_layer("token_embedding").embeddings
+    assert embeddings._value.layout.sharding_specs == ["model", "batch"]  # the map's layout, stored
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh_shape", [(2, 4), (4, 2), (1, 8)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("family", ["llama", "qwen", "qwen2", "gemma"])
+def test_keras_hub_layout_maps_train_like_one_device(family, mesh_shape):
+    _check_against_one_device(family, mesh_shape)
