@@ -339,3 +339,34 @@ def test_pipeline_stages_on_two_clients_give_the_unpipelined_gradients():
     # torch's point-to-point bytes: each activation forward and each input gradient back crosses once
     # (8 x 6 float64 per step each way per boundary; 2 steps and an eval): client 0 of GPipe sends 3 x 384
     assert "[rank 0] OK rank 0 GPipe stages [0, 1] bytes sent 1152" in out.stdout
+
+
+@pytest.mark.parametrize("via", ["args", "env"])
+def test_keras_distribution_initialize_starts_the_clients_and_fit_equals_one_process(tmp_path, via):
+    """keras.distribution.initialize(job_addresses, num_processes, process_id) -- or Keras' own
+    KERAS_DISTRIBUTION_* variables -- on TF: 2 clients x 2 devices, ModelParallel fit."""
+    multi = tmp_path / "multi.npz"
+    out = launch("--nproc-per-node", "2", "--devices-per-proc", "2", "--master-port", str(free_base_port(2)),
+                 str(HERE / "keras_initialize.py"), str(multi), via)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for rank in range(2):
+        assert f"done rank {rank} of 2 devices 4" in out.stdout, out.stdout
+    code = (
+        "import sys, numpy as np, keras, tfdist; tfdist.virtual_cpus(4); import tfdist.keras\n"
+        "mesh = keras.distribution.DeviceMesh((2, 2), ['batch', 'model'])\n"
+        "keras.utils.set_random_seed(0)\n"
+        "m = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, name='up'), keras.layers.Dense(8, name='down')])\n"
+        "m.compile(optimizer=keras.optimizers.Adam(0.01), loss='mse')\n"
+        "rng = np.random.default_rng(0)\n"
+        "x, y = rng.standard_normal((64, 16)).astype('float32'), rng.standard_normal((64, 8)).astype('float32')\n"
+        "h = m.fit(x, y, batch_size=16, epochs=3, verbose=0, shuffle=False)\n"
+        "np.savez(sys.argv[1], loss=np.array(h.history['loss']), *m.get_weights())\n"
+    )
+    single = tmp_path / "single.npz"
+    ref = subprocess.run([sys.executable, "-c", code, str(single)], capture_output=True, text=True, env=ENV,
+                         timeout=240)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    a, b = np.load(multi), np.load(single)
+    np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-5)
+    for key in a.files:
+        np.testing.assert_allclose(a[key], b[key], atol=1e-5)

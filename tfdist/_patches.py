@@ -72,6 +72,10 @@ PATCHES: tuple[Patch, ...] = (
     Patch(_DL, None, "num_processes", _ABSENT, "process", _FILL),
     Patch(_DL, None, "process_id", _ABSENT, "process", _FILL),
     Patch(_DL, None, "get_device_count", _ABSENT, "process", _FILL),
+    Patch(_DL, None, "list_devices", ("device_type",), "process",
+          "every client's devices numbered globally (TF's logical devices repeat local numbers per client)"),
+    Patch(_DL, None, "initialize", _ABSENT, "process",
+          "keras.distribution.initialize on TF: joins tfdist's multi-client runtime"),
     Patch(_CORE, "Variable", "_initialize", ("self", "value"), "process",
           "a variable with a layout is created as a dtensor.DVariable"),
     Patch(_CORE, "Variable", "_direct_assign", ("self", "value"), "process", _READ),
@@ -79,6 +83,19 @@ PATCHES: tuple[Patch, ...] = (
           _READ + "; inside an FSDP layer's call, a parameter reads as its all-gathered value"),
     Patch(_CORE, "Variable", "handle", ("self",), "process", "the DVariable's handle"),
     Patch(_CORE, "Variable", "numpy", ("self",), "process", "gathers a sharded variable to one array"),
+    Patch("keras.src.backend.tensorflow.math", None, "top_k", ("x", "k", "sorted"), "process",
+          "under a keras distribution, top_k's gradient is a one-hot product: TF DTensor expands TopKV2's "
+          "ScatterNd gradient with global indices on a local shard (tfdist/keras/_expandable_ops.py)"),
+    Patch("keras.src.backend.tensorflow.nn", None, "one_hot", ("x", "num_classes", "axis", "dtype", "sparse"),
+          "process", "under a keras distribution, one_hot is ids == range(n): TF DTensor's OneHot expansion keeps "
+          "the global type when its class dim is sharded (tfdist/keras/_expandable_ops.py)"),
+    Patch("keras.src.backend.tensorflow.numpy", None, "stack", ("x", "axis"), "process",
+          "under a keras distribution, in a traced program, stack is a concat of expanded tensors: TF DTensor's "
+          "Unpack expansion (stack's gradient) ignores a layout change of other dims "
+          "(tfdist/keras/_expandable_ops.py)"),
+    Patch(_CORE, None, "slice_update", ("inputs", "start_indices", "updates"), "process",
+          "under a keras distribution, in a traced program, slice_update is a gather and a select: TF DTensor "
+          "cannot lay out XlaDynamicUpdateSlice (tfdist/keras/_expandable_ops.py)"),
     Patch("keras.src.backend", None, "convert_to_numpy", ("x",), "process",
           "keras.ops.convert_to_numpy of a sharded DTensor (a model's eager output) gathers it to one array, "
           "as on JAX; TF refuses to copy a sharded DTensor to the host"),

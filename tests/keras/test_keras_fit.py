@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import keras
 import numpy as np
 import pytest
@@ -283,3 +285,18 @@ def test_steps_per_epoch_over_a_repeated_dataset_continues_the_stream_across_epo
     hist = model.fit(data(), steps_per_epoch=2, epochs=3, verbose=0)
     np.testing.assert_allclose(hist.history["loss"], ref_hist.history["loss"], rtol=1e-5)
     assert max_weight_diff(ref, model) < 1e-5
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(num_processes=0), r"num_processes must be a positive int. Received: num_processes=0"),
+    (dict(num_processes=2, process_id=2), r"process_id must be an int in \[0, 2\) for 2 processes. Received: process_id=2"),
+    (dict(job_addresses="10.0.0.1:1234", num_processes=2, process_id=0),
+     r"job_addresses must list one host:port per process \(2\), process 0 first"),
+])
+def test_keras_distribution_initialize_names_the_bad_argument(kwargs, match, monkeypatch):
+    for key in ("DTENSOR_NUM_CLIENTS", "DTENSOR_CLIENT_ID", "DTENSOR_JOBS"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(ValueError, match=match):
+        keras.distribution.initialize(**kwargs)
+    assert "DTENSOR_NUM_CLIENTS" not in os.environ  # nothing half-set
+    assert keras.distribution.list_devices("cpu") == [f"cpu:{i}" for i in range(8)]

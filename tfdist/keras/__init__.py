@@ -31,7 +31,9 @@ if keras.backend.backend() != "tensorflow":
     )
 _patches.check_versions()
 
-from tfdist.keras import _backend, _callbacks, _random_layers, _host_tensors, _optimizer, _trainer, _variables  # noqa: E402
+from tfdist.keras import (  # noqa: E402
+    _backend, _callbacks, _expandable_ops, _host_tensors, _optimizer, _random_layers, _trainer, _variables,
+)
 
 # Every change to Keras internals is a row of tfdist._patches.PATCHES.
 _backend.install()
@@ -41,6 +43,7 @@ _trainer.install()
 _callbacks.install()
 _host_tensors.install()
 _random_layers.install()
+_expandable_ops.install()
 
 from tfdist.keras import _modules  # noqa: E402,F401  (registers the Keras ModuleBackend)
 from tfdist.keras._layout_map import LayoutMap  # noqa: E402

@@ -10,6 +10,7 @@ with TF DTensor: a Keras ``DeviceMesh`` becomes a tfdist ``DeviceMesh`` (one
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import numpy as np
@@ -117,6 +118,53 @@ def _get_device_count(device_type: str | None = None) -> int:
     return _runtime.num_global_devices(kind)
 
 
+def _list_devices(device_type: str | None = None) -> list[str]:
+    """Every client's devices, numbered globally (``"cpu:0" .. "cpu:N-1"``), as tfdist's meshes and
+    JAX number them; TF's logical devices of other clients repeat the same local numbers."""
+    kind = _runtime.normalize_device_type(device_type) if device_type else _runtime.detect_device_type()
+    return [f"{kind.lower()}:{i}" for i in range(_runtime.num_global_devices(kind))]
+
+
+def initialize(job_addresses: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None) -> None:
+    """``keras.distribution.initialize`` on TensorFlow: joins tfdist's multi-client runtime.
+
+    Keras passes its arguments or its environment variables
+    (``KERAS_DISTRIBUTION_JOB_ADDRESSES``, ``..._NUM_PROCESSES``,
+    ``..._PROCESS_ID``). TF DTensor needs every client's address, so
+    ``job_addresses`` lists one ``host:port`` per process, process 0 first
+    (JAX's coordinator-only form names too few). Given nothing, the
+    environment ``tfdist run`` sets is used.
+
+    Example::
+
+        keras.distribution.initialize("10.0.0.1:1234,10.0.0.2:2345", num_processes=2, process_id=0)
+    """
+    env: dict[str, str] = {}
+    if num_processes is not None:
+        if isinstance(num_processes, bool) or not isinstance(num_processes, (int, np.integer)) or num_processes < 1:
+            raise ValueError(f"num_processes must be a positive int. Received: num_processes={num_processes!r}")
+        env["DTENSOR_NUM_CLIENTS"] = str(int(num_processes))
+    world = int(env.get("DTENSOR_NUM_CLIENTS", os.environ.get("DTENSOR_NUM_CLIENTS", "1")))
+    if process_id is not None:
+        if isinstance(process_id, bool) or not isinstance(process_id, (int, np.integer)) \
+                or not 0 <= process_id < world:
+            raise ValueError(f"process_id must be an int in [0, {world}) for {world} processes. "
+                             f"Received: process_id={process_id!r}")
+        env["DTENSOR_CLIENT_ID"] = str(int(process_id))
+    if job_addresses is not None:
+        jobs = [j.strip() for j in str(job_addresses).split(",") if j.strip()]
+        if len(jobs) != world or any(":" not in j for j in jobs):
+            raise ValueError(
+                f"job_addresses must list one host:port per process ({world}), process 0 first: TF DTensor "
+                f"connects every client to every other. Received: job_addresses={job_addresses!r}")
+        env["DTENSOR_JOBS"] = ",".join(jobs)
+    if env:
+        os.environ.update(env)
+        os.environ.setdefault("DTENSOR_JOB_NAME", "worker")
+    _runtime.init_distributed()
+
+
 def install() -> None:
     """Fills Keras' TF ``distribution_lib`` with the functions above (rows of tfdist._patches)."""
     lib = "keras.src.backend.tensorflow.distribution_lib:"
@@ -128,3 +176,5 @@ def install() -> None:
     _patches.install(lib + "num_processes", _num_processes)
     _patches.install(lib + "process_id", _process_id)
     _patches.install(lib + "get_device_count", _get_device_count)
+    _patches.install(lib + "initialize", initialize)
+    _patches.install(lib + "list_devices", _list_devices)

@@ -31,12 +31,9 @@ on a distributed model.  tfdist seeds a DTensor target with
 ``output_gradients`` would be by hand).
 
 3. Tensors a layer makes while it runs (masks, ranges, position ids) next
-to DTensors: eager TF DTensor refuses them, and listing such sites one by one
-cannot end (every library's layers make their own). So an eager call of a
-built layer whose variables are on a mesh runs as a ``tf.function`` of its
-call: in a traced program those tensors are constants, which TF DTensor's
-layout propagation replicates itself. Plain inputs are first replicated onto
-the layer's mesh (4).
+to DTensors: the eager call of a built layer on a mesh runs traced
+(``tfdist.keras._eager_calls``), where they are constants TF DTensor
+replicates itself. Plain inputs are first replicated onto the layer's mesh (4).
 
 4. A model or layer called eagerly on a plain tensor or array (``model(x)``
 to build or try a model under ``keras.distribution``): the inputs are
@@ -51,7 +48,6 @@ predictions, eagerly: replicated onto the predictions' mesh (torch's
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Sequence
 
 import numpy as np
@@ -60,13 +56,12 @@ from tensorflow.experimental import dtensor
 from tensorflow.python.eager import context
 
 import keras
-from keras.src.backend.common.keras_tensor import any_symbolic_tensors
-from keras.src.backend.common.stateless_scope import in_stateless_scope
 
 from tfdist import _patches
 from tfdist.keras import _variables
 from tfdist.keras._backend import tfdist_mesh
 from tfdist.keras._data import gather_to_numpy
+from tfdist.keras._eager_calls import eager_call, runs_traced
 
 _NAME = "tensorflow.python.eager.polymorphic_function.concrete_function:ConcreteFunction._call_flat"
 _GRADIENT = "tensorflow.python.eager.backprop:GradientTape.gradient"
@@ -151,24 +146,6 @@ def lift_layer_inputs(layer: Any, args: tuple, kwargs: dict) -> tuple[tuple, dic
     return tf.nest.pack_sequence_as((args, kwargs), flat)
 
 
-_TRACED_CALLS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
-
-
-def _runs_on_a_mesh(layer: Any, args: tuple, kwargs: dict) -> bool:
-    """``layer`` is built, holds DTensor variables, and computes values (no symbolic inputs,
-    no stateless scope)."""
-    return bool(layer.built) and not in_stateless_scope() and not any_symbolic_tensors(args, kwargs) and any(
-        _variables.is_dtensor_variable(v) for v in layer.variables)
-
-
-def traced_call(layer: Any, call: Any) -> Any:
-    """``layer``'s call as a ``tf.function`` (one per layer, retraced as tf.function does)."""
-    function = _TRACED_CALLS.get(layer)
-    if function is None:
-        function = _TRACED_CALLS[layer] = tf.function(lambda *args, **kwargs: call(layer, *args, **kwargs))
-    return function
-
-
 def _install_layer_inputs() -> None:
     original = _patches.original(_LAYER_CALL)
 
@@ -176,12 +153,8 @@ def _install_layer_inputs() -> None:
         if not tf.executing_eagerly():
             return original(self, *args, **kwargs)
         args, kwargs = lift_layer_inputs(self, args, kwargs)
-        if _runs_on_a_mesh(self, args, kwargs):
-            # Eager TF DTensor refuses an op mixing a DTensor with a host tensor larger than a
-            # scalar (dtensor_device.cc), and layer code makes such tensors everywhere (masks,
-            # position ids, ranges). In a traced program they are constants that TF DTensor's
-            # layout propagation replicates, so an eager call on a mesh runs traced.
-            return traced_call(self, original)(*args, **kwargs)
+        if runs_traced(self, args, kwargs):  # tensors the layer makes meet DTensors (_eager_calls)
+            return eager_call(self, original, args, kwargs)
         return original(self, *args, **kwargs)
 
     _patches.install(_LAYER_CALL, call)
