@@ -30,9 +30,30 @@ VOCAB, BATCH, SEQ = 64, 16, 8
 COMMON = dict(vocabulary_size=VOCAB, num_layers=2, hidden_dim=32, intermediate_dim=64)
 
 
+def mistral_layout_map(mesh):
+    """A map a user writes for a family keras-hub ships without one (docs/keras.md): Megatron
+    layouts on ``model`` and an activation layout on the FFN output."""
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["token_embedding/embeddings"] = ("model", None)
+    layout_map["token_embedding/reverse_embeddings"] = (None, "model")
+    layout_map[".*self_attention/(query|key|value)/kernel"] = (None, "model", None)
+    layout_map[".*self_attention/attention_output/kernel"] = ("model", None, None)
+    layout_map[".*feedforward_(intermediate|gate)_dense/kernel"] = (None, "model")
+    layout_map[".*feedforward_output_dense/kernel"] = ("model", None)
+    layout_map[".*feedforward_output_dense/output"] = ("batch", None, None)
+    return layout_map
+
+
+def _layout_map(family: str, mesh):
+    if family == "mistral":
+        return mistral_layout_map(mesh)
+    return _families()[family][0].get_layout_map(mesh)
+
+
 def _families():
     m = keras_hub.models
     return {
+        "mistral": (m.MistralBackbone, m.MistralCausalLM, dict(num_query_heads=4, num_key_value_heads=2)),
         # 2 key/value heads over a 4-way model dim: uneven, kept whole on that dim
         "llama": (m.LlamaBackbone, m.LlamaCausalLM, dict(num_query_heads=4, num_key_value_heads=2)),
         "qwen": (m.QwenBackbone, m.QwenCausalLM, dict(num_query_heads=4, num_key_value_heads=2)),
@@ -54,11 +75,25 @@ def _data():
     return {"token_ids": ids, "padding_mask": np.ones_like(ids)}, np.roll(ids, -1, axis=1)
 
 
-def _train(family: str, steps: int = 4):
+def dense(optimizer_cls):
+    """``optimizer_cls`` fed dense gradients: Keras' TF optimizers differ from the textbook on a
+    sparse embedding gradient with repeated ids (docs/keras.md); tfdist's are dense."""
+    import tensorflow as tf
+
+    class Dense(optimizer_cls):
+        def apply(self, grads, trainable_variables=None):
+            grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
+            return super().apply(grads, trainable_variables)
+
+    return Dense
+
+
+def _train(family: str, steps: int = 4, optimizer=None):
     backbone_cls, lm_cls, kwargs = _families()[family]
     keras.utils.set_random_seed(0)
     lm = lm_cls(backbone=backbone_cls(**COMMON, **kwargs), preprocessor=None)
-    lm.compile(optimizer=DenseAdam(1e-2), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    lm.compile(optimizer=optimizer or DenseAdam(1e-2),
+               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     x, y = _data()
     history = lm.fit(x, y, batch_size=BATCH, epochs=steps, verbose=0, shuffle=False)
     return lm, history.history["loss"]
@@ -68,10 +103,7 @@ def _check_against_one_device(family: str, mesh_shape: tuple[int, int]) -> None:
     x, _ = _data()
     ref, ref_losses = _train(family)
     ref_predict, ref_eager = ref.predict(x, verbose=0), keras.ops.convert_to_numpy(ref.backbone(x))
-    mesh = keras.distribution.DeviceMesh(mesh_shape, ["batch", "model"])
-    layout_map = _families()[family][0].get_layout_map(mesh)
-    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map,
-                                                                         batch_dim_name="batch"))
+    _distribute(family, mesh_shape)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # uneven dims kept whole: said once per variable
         lm, losses = _train(family)
@@ -81,6 +113,12 @@ def _check_against_one_device(family: str, mesh_shape: tuple[int, int]) -> None:
     np.testing.assert_allclose(lm.predict(x, verbose=0), ref_predict, atol=1e-4)
     # an eager call: masks and positions made inside the layers meet DTensors
     np.testing.assert_allclose(keras.ops.convert_to_numpy(lm.backbone(x)), ref_eager, atol=1e-4)
+
+
+def _distribute(family: str, mesh_shape: tuple[int, int]) -> None:
+    mesh = keras.distribution.DeviceMesh(mesh_shape, ["batch", "model"])
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(
+        layout_map=_layout_map(family, mesh), batch_dim_name="batch"))
 
 
 def test_llama_layout_map_with_weights_over_the_batch_dim_trains_like_one_device():
@@ -111,15 +149,11 @@ def test_a_layout_map_key_for_an_absent_layer_is_a_warning_not_an_error():
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh_shape", [(2, 4), (4, 2), (1, 8)], ids=lambda s: "x".join(map(str, s)))
 # MoE: the routers' top_k gradient and one_hot, whose TF DTensor expansions gave wrong local shapes
-@pytest.mark.parametrize("family", ["llama", "qwen", "qwen2", "gemma", "qwen_moe", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama", "qwen", "qwen2", "gemma", "qwen_moe", "qwen3_moe", "mistral"])
 def test_keras_hub_layout_maps_train_like_one_device(family, mesh_shape):
     _check_against_one_device(family, mesh_shape)
 
 
-def _distribute(family: str, mesh_shape: tuple[int, int]) -> None:
-    mesh = keras.distribution.DeviceMesh(mesh_shape, ["batch", "model"])
-    keras.distribution.set_distribution(keras.distribution.ModelParallel(
-        layout_map=_families()[family][0].get_layout_map(mesh), batch_dim_name="batch"))
 
 
 def _untrained(family: str):
@@ -179,3 +213,42 @@ def test_weights_and_checkpoints_move_between_meshes(tmp_path):
                 callbacks=[tfdist.keras.DistributedCheckpoint(str(checkpoints))])
     for a, b in zip(ref.get_weights(), resumed.get_weights()):
         np.testing.assert_allclose(b, a, atol=1e-4)
+
+
+OPTIMIZERS = {
+    "SGD-momentum-nesterov": lambda c: c(0.05, momentum=0.9, nesterov=True),
+    "Adam": lambda c: c(0.01),
+    "AdamW": lambda c: c(0.01, weight_decay=0.05),
+    "RMSprop": lambda c: c(0.01, momentum=0.5, centered=True),
+    "Adagrad": lambda c: c(0.05),
+    "Adadelta": lambda c: c(1.0),
+    "Adamax": lambda c: c(0.01),
+    "Nadam": lambda c: c(0.01),
+    "Ftrl": lambda c: c(0.05, l1_regularization_strength=0.01),
+    "Lion": lambda c: c(0.001),
+    "Adafactor": lambda c: c(0.01),
+    "Lamb": lambda c: c(0.01),
+}
+
+
+_ADAFACTOR_2D = pytest.mark.xfail(strict=True, reason=(
+    "Adafactor on a 3-D kernel laid out over both mesh dims (keras-hub's (model, batch, None) "
+    "attention kernels) differs from one device by ~5e-3 after 3 steps; (model, None, None) and "
+    "(None, batch, None) alone are exact. Open: see docs/keras.md"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_ADAFACTOR_2D) if n == "Adafactor" else n
+                                  for n in sorted(OPTIMIZERS)])
+def test_every_keras_optimizer_trains_llama_like_one_device(name):
+    """10 steps of each Keras optimizer on Llama with keras-hub's map on 2x4, against one device
+    fed dense gradients."""
+    cls = dense(getattr(keras.optimizers, name.split("-")[0]))
+    ref, ref_losses = _train("llama", steps=10, optimizer=OPTIMIZERS[name](cls))
+    _distribute("llama", (2, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        lm, losses = _train("llama", steps=10, optimizer=OPTIMIZERS[name](cls))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-4, atol=1e-4)
+    for a, b in zip(ref.get_weights(), lm.get_weights()):
+        np.testing.assert_allclose(b, a, atol=5e-4)
