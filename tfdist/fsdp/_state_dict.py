@@ -136,6 +136,12 @@ def named_weights(module: Any) -> dict[str, Any]:
             if id(variable) not in seen:
                 seen.add(id(variable))
                 out[f"{path}.{name}" if path else name] = variable
+    # a weight the walk did not reach (a layer held where the backend does not look) is still
+    # saved and loaded, by its own path: a state dict never silently leaves a weight out
+    for variable in modules.all_weights(module):
+        if id(variable) not in seen and getattr(variable, "path", None):
+            seen.add(id(variable))
+            out[variable.path.replace("/", ".")] = variable
     return out
 
 

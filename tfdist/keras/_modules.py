@@ -15,6 +15,7 @@ import weakref
 from typing import Any, Callable, Iterator
 
 import keras
+from keras.src.models.functional import Functional
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
@@ -32,25 +33,42 @@ _MHA_CHILDREN = {"query": "_query_dense", "key": "_key_dense", "value": "_value_
 _DEFERRED: "weakref.WeakKeyDictionary[Any, list[Callable[[], None]]]" = weakref.WeakKeyDictionary()
 
 
+def _public_property_of(cls: type, name: str) -> bool:
+    """``cls`` has a property ``name`` defined by a class outside Keras (Keras' own, like
+    ``Model.layers`` over ``_layers``, are its bookkeeping)."""
+    if name.startswith("_"):
+        return False
+    for klass in cls.__mro__:
+        if name in vars(klass):
+            return isinstance(vars(klass)[name], property) and not klass.__module__.startswith("keras.")
+    return False
+
+
 def _children(layer: Any) -> list[tuple[str, Any]]:
+    """A layer's sublayers by torch-style name: its attributes (a private ``_x`` under the public
+    name ``x`` where the class has that property, as keras-hub's backbones and tasks keep their
+    parts), then the rest of a functional model's graph by layer name."""
     if isinstance(layer, keras.layers.MultiHeadAttention):
         if not layer.built:
             return [(k, Pending(layer, v)) for k, v in _MHA_CHILDREN.items()]
         return [(k, getattr(layer, v)) for k, v in _MHA_CHILDREN.items() if getattr(layer, v, None) is not None]
-    if isinstance(layer, keras.Sequential) or getattr(layer, "_is_graph_network", False) or (
-        isinstance(layer, keras.Model) and type(layer).__name__ == "Functional"
-    ):
+    if isinstance(layer, keras.Sequential):
         return [(child.name, child) for child in layer.layers]
     out = []
     for name, value in vars(layer).items():
         if name.startswith("_"):
-            continue
+            if not isinstance(value, keras.layers.Layer) or not _public_property_of(type(layer), name[1:]):
+                continue
+            name = name[1:]
         if isinstance(value, keras.layers.Layer):
             out.append((name, value))
         elif isinstance(value, (list, tuple)):
             out += [(f"{name}.{i}", v) for i, v in enumerate(value) if isinstance(v, keras.layers.Layer)]
         elif isinstance(value, dict):
             out += [(f"{name}.{k}", v) for k, v in value.items() if isinstance(v, keras.layers.Layer)]
+    if isinstance(layer, Functional) or getattr(layer, "_is_graph_network", False):
+        named = {id(child) for _, child in out}
+        out += [(child.name, child) for child in layer.layers if id(child) not in named]
     return out
 
 
@@ -180,6 +198,9 @@ class KerasModules:
 
     def weights(self, layer: Any) -> dict[str, Any]:
         return {v.name: v for v in layer._trainable_variables + layer._non_trainable_variables}
+
+    def all_weights(self, module: Any) -> list[Any]:
+        return list(module.weights)
 
     def variables(self, module: Any) -> list[Any]:
         """The module's variables and, when compiled, its metrics' (the loss tracker)."""

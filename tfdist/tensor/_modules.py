@@ -78,6 +78,9 @@ class ModuleBackend(Protocol):
     def variables(self, module: Any) -> list[Any]:
         """Every variable of the module and its sublayers."""
 
+    def all_weights(self, module: Any) -> list[Any]:
+        """The weights of the module and all its sublayers (no random-generator state, no metrics)."""
+
     def set_weight_layout(self, layer: Any, name: str, layout_fn: Callable[[int], dtensor.Layout]) -> None:
         """Lays out a weight now (built) or when it is created (unbuilt)."""
 
