@@ -57,11 +57,11 @@ def _forward(layer: Any, call: Callable) -> Any:
 
 
 def _forward_and_backward(layer: Any, call: Callable) -> Any:
-    """A traced vjp: (args, kwargs, float inputs' positions, output gradients) -> gradients of the
-    float inputs and of the layer's trainable variables."""
+    """A traced vjp: (args, kwargs, float inputs' positions, tensor outputs' positions, their
+    gradients) -> gradients of the float inputs and of the layer's trainable variables."""
     function = _FORWARD_AND_BACKWARD.get(layer)
     if function is None:
-        def vjp(structure, positions, output_gradients):
+        def vjp(structure, positions, out_positions, output_gradients):
             flat = tf.nest.flatten(structure, expand_composites=True)  # tfdist DTensors: their tensors
             sources = [flat[i] for i in positions]
             with tf.GradientTape() as tape:
@@ -69,7 +69,8 @@ def _forward_and_backward(layer: Any, call: Callable) -> Any:
                 args, kwargs = tf.nest.pack_sequence_as(structure, flat, expand_composites=True)
                 outputs = call(layer, *args, **kwargs)
             variables = [v.value for v in layer.trainable_variables]
-            return tape.gradient(tf.nest.flatten(outputs, expand_composites=True), sources + variables,
+            flat_outputs = tf.nest.flatten(outputs, expand_composites=True)
+            return tape.gradient([flat_outputs[i] for i in out_positions], sources + variables,
                                  output_gradients=output_gradients)
 
         function = _FORWARD_AND_BACKWARD[layer] = tf.function(vjp)
@@ -94,20 +95,19 @@ def _traced_call(layer: Any, call: Callable, args: tuple, kwargs: dict) -> Any:
         return forward(*args, **kwargs)
     flat = tf.nest.flatten((args, kwargs), expand_composites=True)
     positions = tuple(i for i, x in enumerate(flat) if isinstance(x, tf.Tensor) and x.dtype.is_floating)
-    variables = [v._value for v in layer.trainable_variables if _variables.is_dtensor_variable(v)]
+    variables = [v._value for v in layer.trainable_variables]  # DVariables or plain tf.Variables
     with record.stop_recording():
         outputs = forward(*args, **kwargs)
     flat_outputs = tf.nest.flatten(outputs, expand_composites=True)
-    recorded = [t for t in flat_outputs if isinstance(t, tf.Tensor)]
-    if len(variables) != len(layer.trainable_variables) or len(recorded) != len(flat_outputs):
-        return outputs  # a mixed layer, or outputs that are not tensors: not differentiated here
+    out_positions = tuple(i for i, t in enumerate(flat_outputs) if isinstance(t, tf.Tensor))
+    recorded = [flat_outputs[i] for i in out_positions]  # None and Python values have no gradient
     for variable in variables:  # what an eager read would tell the tape (watch_accessed_variables)
         resource_variable_ops.variable_accessed(variable)
     backward = _forward_and_backward(layer, call)
 
     def gradient(*output_gradients):
         output_gradients = [tf.zeros_like(t) if g is None else g for t, g in zip(recorded, output_gradients)]
-        return backward((args, kwargs), positions, output_gradients)
+        return backward((args, kwargs), positions, out_positions, output_gradients)
 
     record.record_operation("TfdistEagerLayerCall", recorded, [flat[i] for i in positions]
                             + [v.handle for v in variables], gradient)
