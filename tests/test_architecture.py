@@ -214,3 +214,44 @@ def test_loss_parallel_changes_only_the_entering_thread():
     np.testing.assert_allclose(value.numpy(), [want], rtol=1e-6)
     assert tf.nn.sparse_softmax_cross_entropy_with_logits is original
     assert "SparseSoftmaxCrossEntropyWithLogits" in _cross_entropy_ops()
+
+
+# -- the registry of module state -------------------------------------------------------
+def test_no_tfdist_attributes_on_other_peoples_objects():
+    """State tfdist keeps about Keras/TF objects lives in tfdist._registry: no ``_tfdist_*``
+    attribute is written, read or declared anywhere in the package."""
+    bad = []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            attr = None
+            if isinstance(node, ast.Attribute):
+                attr = node.attr
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                attr = node.value
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                attr = node.target.id
+            if attr and attr.startswith("_tfdist_"):
+                bad.append(f"{name}:{node.lineno} {attr}")
+    assert not bad, bad
+
+
+def test_registry_keeps_state_off_the_object_and_drops_it_with_the_object():
+    import gc
+
+    import keras
+
+    from tfdist import _registry
+
+    layer = keras.layers.Dense(2)
+    before = set(vars(layer))
+    _registry.module(layer).batch_dim = "dp"
+    assert _registry.module_if_any(layer).batch_dim == "dp"
+    assert set(vars(layer)) == before  # nothing written onto the Keras object
+    variable = tf.Variable([1.0])  # unhashable: keyed by identity
+    _registry.variable(variable).layout_fn = len
+    assert _registry.variable_if_any(variable).layout_fn is len
+    assert _registry.module_if_any(keras.layers.Dense(2)) is None  # reading creates nothing
+    count = len(_registry._MODULES)
+    del layer
+    gc.collect()
+    assert len(_registry._MODULES) == count - 1

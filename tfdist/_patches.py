@@ -242,6 +242,11 @@ def _checked(name: str) -> Patch:
     return patch
 
 
+def installed(name: str) -> bool:
+    """tfdist has replaced this process-wide attribute (an install function runs once)."""
+    return name in _ORIGINALS
+
+
 def install(name: str, replacement: Any) -> Any:
     """Replaces a process-wide attribute listed in PATCHES; returns the original."""
     patch = _checked(name)

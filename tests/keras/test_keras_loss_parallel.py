@@ -194,7 +194,9 @@ def test_fit_computes_the_loss_on_sharded_logits_without_a_loss_parallel_block()
     want = train(ref)
     mesh = tfdist.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
     model = parallelize_gpt(make(), mesh)
-    assert model._tfdist_loss_parallel
+    from tfdist import _registry
+
+    assert _registry.module(model).loss_parallel  # fit will trace its loss inside loss_parallel()
     got = train(model)
     np.testing.assert_allclose(got, want, rtol=1e-5)
     assert max_weight_diff(ref, model) < 1e-5

@@ -23,7 +23,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from tfdist import _runtime
+from tfdist import _registry, _runtime
 from tfdist.checkpoint._dist import Group
 from tfdist.fsdp import _state_dict as _weights
 from tfdist.tensor._api import DTensor, distribute_tensor
@@ -154,7 +154,7 @@ def _ensure_built(model: Any, optim: Any) -> None:
     way), under the model's own distribution so they take their weights' layouts."""
     if getattr(optim, "built", False):
         return
-    distribution = getattr(model, "_tfdist_distribution", None)
+    distribution = _registry.distribution_of(model)
     if distribution is None:
         optim.build(model.trainable_variables)
         return

@@ -34,7 +34,7 @@ def _public(fn):
     """A public method or property getter that speaks tfdist DTensors: tfdist DTensor arguments go in
     as TF DTensors, ordinary tensors beside DTensor parameters go onto their mesh, and the outermost
     call returns tfdist DTensors when the distribution was made from tfdist DTensors."""
-    if getattr(fn, "_tfdist_public", False):
+    if getattr(fn, "_speaks_dtensor", False):
         return fn
 
     @functools.wraps(fn)
@@ -52,7 +52,7 @@ def _public(fn):
 
         depth = getattr(_depth, "n", 0)
         if depth == 0 and fn.__name__ in _SAMPLERS and not tf.executing_eagerly() \
-                and (getattr(self, "_tfdist_results", False) or _in_dtensor_program()):
+                and (getattr(self, "_returns_dtensors", False) or _in_dtensor_program()):
             raise NotImplementedError(
                 f"{type(self).__name__}.{fn.__name__}() inside a tf.function that runs on a DTensor mesh is "
                 "not supported: TF DTensor has no layout rule for random ops (its own error reads 'does not "
@@ -65,25 +65,25 @@ def _public(fn):
             result = fn(self, *[arg(a) for a in args], **{k: arg(v) for k, v in kwargs.items()})
         finally:
             _depth.n = depth
-        if depth == 0 and getattr(self, "_tfdist_results", False) and isinstance(result, tf.Tensor) \
+        if depth == 0 and getattr(self, "_returns_dtensors", False) and isinstance(result, tf.Tensor) \
                 and tf.executing_eagerly() and dtensor.is_dtensor(result):
             return DTensor.from_tf(result)
         return result
 
-    call._tfdist_public = True
+    call._speaks_dtensor = True
     return call
 
 
 def _marking(init):
     """``__init__`` that notes tfdist DTensor parameters (results come back as tfdist DTensors) and the
     first DTensor parameter (ordinary method arguments are placed on its mesh)."""
-    if getattr(init, "_tfdist_public", False):
+    if getattr(init, "_speaks_dtensor", False):
         return init
 
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
         if any(isinstance(v, DTensor) for v in (*args, *kwargs.values())):
-            self._tfdist_results = True
+            self._returns_dtensors = True
         init(self, *args, **kwargs)
         if getattr(self, "_dtensor_anchor", None) is None and tf.executing_eagerly():
             for v in list(vars(self).values()):
@@ -91,7 +91,7 @@ def _marking(init):
                     self._dtensor_anchor = v
                     break
 
-    __init__._tfdist_public = True
+    __init__._speaks_dtensor = True
     return __init__
 
 

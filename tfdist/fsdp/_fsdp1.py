@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator
 
 import tensorflow as tf
 
+from tfdist import _registry
 from tfdist.device_mesh import DeviceMesh
 from tfdist.fsdp._fully_shard import _REPLICATE, FSDPModule, fsdp_class, fully_shard
 from tfdist.fsdp._policies import MixedPrecisionPolicy
@@ -77,11 +78,9 @@ class _FSDP1Meta(type):
 class _FSDP1Methods:
     """The FSDP1 instance methods, added to the class of every unit ``FullyShardedDataParallel`` makes."""
 
-    _tfdist_fsdp1_root: bool
-
     def check_is_root(self) -> bool:
         """True for the module ``FullyShardedDataParallel`` was called on."""
-        return bool(getattr(self, "_tfdist_fsdp1_root", False))
+        return _registry.module(self).fsdp1_root
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, grads: list) -> tf.Tensor:
         """Clips ``grads`` (the list ``tape.gradient`` returned, replaced in place) to a total
@@ -252,7 +251,7 @@ class FullyShardedDataParallel(metaclass=_FSDP1Meta):
         fully_shard(module, mesh=device_mesh, mp_policy=mp.root_policy, ignored_params=ignored, **args)
         for layer in units + [module]:
             layer.__class__ = fsdp_class(type(layer), (_FSDP1Methods,))
-            layer._tfdist_fsdp1_root = layer is module
+            _registry.module(layer).fsdp1_root = layer is module
         return module
 
     @staticmethod
@@ -264,7 +263,7 @@ class FullyShardedDataParallel(metaclass=_FSDP1Meta):
         settings = _state_dict.make_settings(state_dict_type, state_dict_config, optim_state_dict_config)
         previous = FullyShardedDataParallel.get_state_dict_type(module)
         for unit in _fsdp1_units(module):
-            unit._tfdist_state_dict_settings = settings
+            _registry.module(unit).state_dict_settings = settings
         return previous
 
     @staticmethod
@@ -358,4 +357,4 @@ def _fsdp1_units(module: Any) -> list[Any]:
 
 
 def _settings_of(unit: Any) -> StateDictSettings:
-    return getattr(unit, "_tfdist_state_dict_settings", None) or _state_dict.default_settings()
+    return _registry.module(unit).state_dict_settings or _state_dict.default_settings()

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from tfdist import _runtime
+from tfdist import _registry, _runtime
 from tfdist.device_mesh import DeviceMesh, _mesh_stack, init_device_mesh
 from tfdist.fsdp._collectives import (
     ShardedParam, gathered_with_sliced_grad, sharded_call, sharded_einsum, sharded_lookup,
@@ -59,7 +59,10 @@ class FSDPModule:
         model.set_reshard_after_backward(False)
     """
 
-    _tfdist_fsdp: "_FSDPState"
+    @property
+    def _fsdp_state(self) -> "_FSDPState":
+        """This module's group (kept in ``tfdist._registry``, not on the module)."""
+        return _registry.module(self).fsdp
 
     def reshard(self) -> None:
         """Full parameters exist only inside the step that uses them (TF frees a tensor after its
@@ -99,7 +102,7 @@ class FSDPModule:
         global batch); the reduce-scattered gradient is divided by ``factor``."""
         if not factor or factor <= 0:
             raise ValueError(f"set_reduce_scatter_divide_factor(factor) must be > 0. Received: factor={factor!r}")
-        self._tfdist_fsdp.divide_factor = float(factor)
+        self._fsdp_state.divide_factor = float(factor)
         warnings.warn(
             "set_reduce_scatter_divide_factor: tfdist applies the factor to the gradients of "
             "Dense/EinsumDense layers of this group only.", UserWarning, stacklevel=2,
@@ -111,12 +114,12 @@ class FSDPModule:
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """With False, the backward reuses the forward's full parameters instead of gathering again
         (``reshard_after_forward=False`` for this module)."""
-        self._tfdist_fsdp.regather_in_backward = bool(unshard_in_backward) and self._tfdist_fsdp.reshard
+        self._fsdp_state.regather_in_backward = bool(unshard_in_backward) and self._fsdp_state.reshard
 
     @property
     def fsdp_params(self) -> list[Any]:
         """The variables this module's group shards."""
-        return [v for v, _ in self._tfdist_fsdp.params]
+        return [v for v, _ in self._fsdp_state.params]
 
 
 class _FSDPState:
@@ -330,7 +333,7 @@ def fully_shard(
     replicate_unplaced(modules, module, mesh)
     _hook_layers(modules, plans, state)
     _hook_module_dtypes(modules, module, mp_policy)
-    module._tfdist_fsdp = state
+    _registry.module(module).fsdp = state
     module.__class__ = fsdp_class(type(module))
     return module
 
@@ -395,9 +398,10 @@ class FSDPStyle:
 
     def attach(self, modules: ModuleBackend, layer: Any, mesh: DeviceMesh) -> None:
         """From its first call on, ``layer`` gathers its dp-sharded variables (``mesh``: the dp slice)."""
-        if getattr(layer, "_tfdist_fsdp_style", None) is not None:
+        own = _registry.module(layer)
+        if own.fsdp_style is not None:
             return
-        layer._tfdist_fsdp_style = self
+        own.fsdp_style = self
         state = _FSDPState(mesh, self.reshard_after_forward, self.mp_policy, OffloadPolicy())
         dp = mesh.root_mesh.axis_names[mesh.root_dims[0]]
         ready: list[Callable] = []
@@ -611,7 +615,7 @@ def register_fsdp_forward_method(module: Any, method_name: str) -> None:
     if method is None or not callable(method):
         raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} has no method {method_name!r}")
     modules = module_backend(module, "register_fsdp_forward_method")
-    state = module._tfdist_fsdp
+    state = _registry.module(module).fsdp
     params = {f"{i}": (v, p) for i, (v, p) in enumerate(state.params)}
     wrapped = _gathered_call(modules, params, state)
     setattr(module, method_name, lambda *a, **k: wrapped(method, *a, **k))

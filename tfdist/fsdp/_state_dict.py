@@ -26,7 +26,7 @@ from typing import Any, Iterator
 import numpy as np
 from tensorflow.experimental import dtensor
 
-from tfdist import _runtime
+from tfdist import _registry, _runtime
 from tfdist.tensor._api import DTensor
 from tfdist.tensor._modules import module_backend
 
@@ -199,11 +199,12 @@ def is_writer() -> bool:
 
 @contextlib.contextmanager
 def settings_scope(units: list[Any], settings: StateDictSettings) -> Iterator[None]:
-    saved = [getattr(u, "_tfdist_state_dict_settings", None) for u in units]
-    for u in units:
-        u._tfdist_state_dict_settings = settings
+    states = [_registry.module(u) for u in units]
+    saved = [s.state_dict_settings for s in states]
+    for s in states:
+        s.state_dict_settings = settings
     try:
         yield
     finally:
-        for u, s in zip(units, saved):
-            u._tfdist_state_dict_settings = s
+        for s, old in zip(states, saved):
+            s.state_dict_settings = old

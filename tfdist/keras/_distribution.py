@@ -27,13 +27,13 @@ class MeshDistribution(Distribution):
         # devices' slices (tfdist.keras._data), so Keras must not shard the
         # dataset per worker.
         super().__init__(keras_mesh, batch_dim_name, auto_shard_dataset=False)
-        self._tfdist_mesh = mesh
+        self._source_mesh = mesh  # tfdist's DeviceMesh (Keras keeps its own)
 
     @property
     def num_model_replicas(self) -> int:
         if self.batch_dim_name is None:
             return 1
-        return self._tfdist_mesh.size(self.batch_dim_name)
+        return self._source_mesh.size(self.batch_dim_name)
 
     def get_data_layout(self, data_shape):
         axes = [None] * len(data_shape)

@@ -19,7 +19,7 @@ from keras.src.models.functional import Functional
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from tfdist import _patches
+from tfdist import _patches, _registry
 from tfdist.device_mesh import DeviceMesh
 from tfdist.keras import _variables
 from tfdist.keras._backend import tfdist_mesh
@@ -89,29 +89,29 @@ def _own_distribution(module: Any, distribution: Any) -> None:
 
     torch keeps a module's mesh on its parameters; Keras reads one global
     distribution when it creates variables.  Each parallelized model gets
-    its own (``module._tfdist_distribution``), made current by
+    its own (its ``tfdist._registry`` record), made current by
     ``distribution.scope()`` around this instance's building, calling,
     compiling and training methods -- so models on different meshes live in
     one process, and ``keras.distribution.set_distribution`` elsewhere does
     not move them.
     """
-    module._tfdist_distribution = distribution
+    state = _registry.module(module)
+    state.distribution = distribution
     for name in _SCOPED_METHODS:
         method = getattr(module, name, None)
-        if method is None or getattr(method, "_tfdist_scoped", False):
+        if method is None or name in state.scoped_methods:
             continue
         if name == "call":
             method = _partial_batches_replicated(module, method)
 
         def scoped(*args, _method=method, **kwargs):
-            if keras.distribution.distribution() is module._tfdist_distribution:
+            if keras.distribution.distribution() is state.distribution:
                 return _method(*args, **kwargs)
-            with module._tfdist_distribution.scope():
+            with state.distribution.scope():
                 return _method(*args, **kwargs)
 
-        scoped = functools.wraps(method)(scoped)
-        scoped._tfdist_scoped = True
-        setattr(module, name, scoped)  # this instance only
+        setattr(module, name, functools.wraps(method)(scoped))  # this instance only
+        state.scoped_methods.add(name)
 
 
 def _partial_batches_replicated(module: Any, call: Callable[..., Any]) -> Callable[..., Any]:
@@ -120,11 +120,12 @@ def _partial_batches_replicated(module: Any, call: Callable[..., Any]) -> Callab
 
     @functools.wraps(call)
     def checked(*args, **kwargs):
-        name = getattr(module, "_tfdist_batch_dim", None)
+        state = _registry.module(module)
+        name = state.batch_dim
         batch = tf.nest.flatten(args[:1])
         if name is None or not batch:
             return call(*args, **kwargs)
-        mesh = tfdist_mesh(module._tfdist_distribution.device_mesh)
+        mesh = tfdist_mesh(state.distribution.device_mesh)
         size = getattr(batch[0], "shape", (None,))
         if len(size) and size[0] is not None and size[0] % mesh.size(name):
             with replicated_batch():
@@ -137,9 +138,10 @@ def _partial_batches_replicated(module: Any, call: Callable[..., Any]) -> Callab
 def _ensure_base_call(layer: Any) -> None:
     """One indirection under every hook, so the innermost computation can be swapped later
     (FSDP's gathered product inside tensor-parallel relayouts applied before it)."""
-    if "_tfdist_base_call" not in layer.__dict__:
-        layer._tfdist_base_call = layer.call
-        layer.call = functools.wraps(layer.call)(lambda *args, **kwargs: layer._tfdist_base_call(*args, **kwargs))
+    state = _registry.module(layer)
+    if state.base_call is None:
+        state.base_call = layer.call
+        layer.call = functools.wraps(layer.call)(lambda *args, **kwargs: state.base_call(*args, **kwargs))
 
 
 def _own_call(layer: Any, base: type) -> bool:
@@ -219,13 +221,11 @@ class KerasModules:
             variable = weights[name]
             if getattr(variable, "_value", None) is None:
                 # created in a stateless (symbolic) build: laid out when Keras initialises it
-                variable._tfdist_layout_fn = layout_fn
+                _registry.variable(variable).layout_fn = layout_fn
             else:
                 _variables.to_dvariable(variable, layout_fn(len(variable.shape)))
         else:
-            pending = dict(getattr(layer, "_tfdist_weight_layouts", {}) or {})
-            pending[name] = layout_fn
-            layer._tfdist_weight_layouts = pending
+            _registry.module(layer).weight_layouts[name] = layout_fn
 
     def check_layout(self, variable: Any, layout: dtensor.Layout) -> None:
         _variables.check_divisible(variable, layout)
@@ -251,7 +251,8 @@ class KerasModules:
         return _variables.reads_as(values)
 
     def call_replaced(self, layer: Any) -> bool:
-        return bool(getattr(layer, "_tfdist_call_replaced", False))
+        state = _registry.module_if_any(layer)
+        return state is not None and state.call_replaced
 
     def defer(self, pending: Pending, apply: Callable[[Any], None]) -> None:
         parent = pending.parent
@@ -286,12 +287,13 @@ class KerasModules:
         _ensure_base_call(layer)
         original = layer.call
         layer.call = functools.wraps(original)(lambda *args, **kwargs: call(original, *args, **kwargs))
-        layer._tfdist_call_replaced = True
+        _registry.module(layer).call_replaced = True
 
     def replace_inner_call(self, layer: Any, call: Callable[..., Any]) -> None:
         _ensure_base_call(layer)
-        base = layer._tfdist_base_call
-        layer._tfdist_base_call = functools.wraps(base)(lambda *args, **kwargs: call(base, *args, **kwargs))
+        state = _registry.module(layer)
+        base = state.base_call
+        state.base_call = functools.wraps(base)(lambda *args, **kwargs: call(base, *args, **kwargs))
 
     def is_symbolic(self, x: Any) -> bool:
         return isinstance(x, keras.KerasTensor)
@@ -299,7 +301,8 @@ class KerasModules:
     def attach_mesh(self, module: Any, mesh: DeviceMesh, batch_axis: int | None) -> None:
         """Gives ``module`` its own distribution on ``mesh`` (see ``_own_distribution``)."""
         optimizer = getattr(module, "optimizer", None)
-        first = getattr(module, "_tfdist_distribution", None) is None
+        own = _registry.distribution_of(module)
+        first = own is None
         if first and optimizer is not None and getattr(optimizer, "built", False):
             raise ValueError(
                 f"{module.name!r} has trained already: its optimizer state was made for the unsharded "
@@ -307,7 +310,6 @@ class KerasModules:
                 "with a new optimizer first (model.compile(optimizer=keras.optimizers.Adam(...), ...))."
             )
         root = mesh.root_mesh
-        own = getattr(module, "_tfdist_distribution", None)
         if own is not None and tfdist_mesh(own.device_mesh).to_tf() != root.to_tf():
             raise ValueError(
                 f"{module.name!r} is already parallelized on mesh {tfdist_mesh(own.device_mesh)!r}; "
@@ -322,7 +324,7 @@ class KerasModules:
                 own = MeshDistribution(root, batch_dim_name=name)
             _own_distribution(module, own)
         if batch_axis is not None:
-            module._tfdist_batch_dim = root.axis_names[batch_axis]
+            _registry.module(module).batch_dim = root.axis_names[batch_axis]
 
     # -- with-block behaviours of tfdist.tensor APIs ------------------------------
     def sharded_loss_scope(self, cross_entropy: Callable[..., tf.Tensor]) -> contextlib.AbstractContextManager:

@@ -7,7 +7,7 @@
   (Keras 3's sparse Adam squares each repeated row separately, see
   docs/tf_dtensor_repros/keras3_adam_duplicate_indexed_slices.py).
 * Slot variables (Adam moments, ...) take the layout of their parameter, or
-  the one the optimizer's ``_tfdist_slot_layout(layout, shape)`` gives
+  the one the optimizer's ``slot_layout(layout, shape)`` (its record in ``tfdist._registry``) gives
   (``tfdist.optim.ZeroRedundancyOptimizer`` shards them over data parallel).
 """
 
@@ -18,7 +18,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from tfdist import _patches
+from tfdist import _patches, _registry
 from tfdist.keras import _variables
 from tfdist.optim.zero_redundancy_optimizer import sharded_slot_layout
 
@@ -32,11 +32,9 @@ def _dense(value):
 
 
 def install() -> None:
-    from keras.src.backend.tensorflow.optimizer import TFOptimizer
-
-    if getattr(TFOptimizer, "_tfdist_installed", False):
-        return
     opt = "keras.src.backend.tensorflow.optimizer:TFOptimizer."
+    if _patches.installed(opt + "assign"):
+        return
     originals = {n: _patches.original(opt + n) for n in ("assign", "assign_add", "assign_sub")}
 
     def _target(variable):
@@ -68,7 +66,8 @@ def install() -> None:
         if isinstance(inner, dtensor.DVariable):
             layout = _variables.layout_of(inner)
             # ZeroRedundancyOptimizer's, else data parallel's on devices that share a host's CPU
-            slot_layout = getattr(self, "_tfdist_slot_layout", None) or _shared_host_slot_layout(layout)
+            own = _registry.optimizer_if_any(self)
+            slot_layout = (own.slot_layout if own else None) or _shared_host_slot_layout(layout)
             if slot_layout is not None:
                 layout = slot_layout(layout, tuple(reference_variable.shape))
         with _variables.layout_scope(layout):
@@ -95,7 +94,6 @@ def install() -> None:
         _join_mesh(self, variables)
 
     _patches.install(base, build)
-    TFOptimizer._tfdist_installed = True
 
 
 def _shares_host_cpu(mesh: dtensor.Mesh) -> bool:

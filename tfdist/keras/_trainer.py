@@ -24,7 +24,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdist import _patches
+from tfdist import _patches, _registry
 from tfdist.device_mesh import DeviceMesh
 from tfdist.keras import _data, _variables
 from tfdist.keras._backend import tfdist_mesh
@@ -35,9 +35,15 @@ from tfdist.tensor.parallel.style import replicated_batch
 __all__ = ["install", "mesh_of", "check_layout_map", "is_distributed"]
 
 
+def _loss_parallel_model(model) -> bool:
+    """parallelize_module left the model's logits class-sharded for ``loss_parallel()``."""
+    own = _registry.module_if_any(model)
+    return own is not None and own.loss_parallel
+
+
 def distribution_of(model):
     """The model's own distribution (parallelize_module gives one), else the global one."""
-    return getattr(model, "_tfdist_distribution", None) or keras.distribution.distribution()
+    return _registry.distribution_of(model) or keras.distribution.distribution()
 
 
 def mesh_of(model):
@@ -60,7 +66,8 @@ def mesh_of(model):
     else:
         return None, None
     name = getattr(distribution, "batch_dim_name", None) if distribution is not None else None
-    name = name or getattr(model, "_tfdist_batch_dim", None)
+    own = _registry.module_if_any(model)
+    name = name or (own.batch_dim if own is not None else None)
     if name is not None and name not in mesh.axis_names:
         raise ValueError(
             f"batch_dim_name {name!r} is not a dim of the mesh {mesh.axis_names}, so batches would "
@@ -266,11 +273,9 @@ def _by_batch_split(step_function, run_eagerly: bool, mesh, batch_axis, sharded_
 
 
 def install() -> None:
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-
-    if getattr(TensorFlowTrainer, "_tfdist_installed", False):
-        return
     trainer = "keras.src.backend.tensorflow.trainer:TensorFlowTrainer."
+    if _patches.installed(trainer + "_make_function"):
+        return
     original_make = _patches.original(trainer + "_make_function")
     original_predict = _patches.original(trainer + "make_predict_function")
 
@@ -280,7 +285,7 @@ def install() -> None:
         check_layout_map(self)
         mesh, batch_axis = mesh_of(self)
         one_step = _by_batch_split(step_function, self.run_eagerly, mesh, batch_axis,
-                                   sharded_logits=getattr(self, "_tfdist_loss_parallel", False))
+                                   sharded_logits=_loss_parallel_model(self))
         feeds = {}  # the feed of the epoch iterator Keras passes (one, reused while Keras reuses it)
 
         def function(iterator):
@@ -329,4 +334,3 @@ def install() -> None:
 
     _patches.install(trainer + "_make_function", _make_function)
     _patches.install(trainer + "make_predict_function", make_predict_function)
-    TensorFlowTrainer._tfdist_installed = True

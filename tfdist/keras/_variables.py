@@ -26,7 +26,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from tfdist import _patches
+from tfdist import _patches, _registry
 from tfdist.fsdp import FSDPStyle
 from tfdist.keras._backend import _as_tf_layout, distribute_tensor, tfdist_mesh
 from tfdist.keras._data import gather_to_numpy
@@ -165,11 +165,12 @@ def _pick_layout(variable: Any) -> dtensor.Layout | None:
     slot = getattr(_state, "slot_layouts", [])
     if slot and slot[-1] is not None:
         return slot[-1]
-    attached = getattr(variable, "_tfdist_layout_fn", None)
-    if attached is not None:  # set by add_weight; Keras may initialise the variable later
-        return attached(len(variable.shape))
+    attached = _registry.variable_if_any(variable)
+    if attached is not None and attached.layout_fn is not None:  # set by add_weight; initialised later
+        return attached.layout_fn(len(variable.shape))
     layer = _current_layer()
-    pending = getattr(layer, "_tfdist_weight_layouts", None) if layer is not None else None
+    own = _registry.module_if_any(layer) if layer is not None else None
+    pending = own.weight_layouts if own is not None else None
     if pending:
         layout_fn = pending.get(variable.name)
         if layout_fn is not None:
@@ -267,12 +268,9 @@ def to_dvariable(variable: Any, layout: dtensor.Layout) -> None:
 
 def install() -> None:
     from keras.src.backend.common import KerasVariable
-    from keras.src.backend.tensorflow import core
-
-    Variable = core.Variable
-    if getattr(Variable, "_tfdist_installed", False):
-        return
     core_ = "keras.src.backend.tensorflow.core:Variable."
+    if _patches.installed(core_ + "_initialize"):
+        return
     original_initialize = _patches.original(core_ + "_initialize")
     original_direct_assign = _patches.original(core_ + "_direct_assign")
 
@@ -350,10 +348,11 @@ def install() -> None:
             variable = original_add_weight(self, *args, **kwargs)
         finally:
             stack.pop()
-        pending = getattr(self, "_tfdist_weight_layouts", None)
+        own = _registry.module_if_any(self)
+        pending = own.weight_layouts if own is not None else None
         if pending and getattr(variable, "_value", None) is None and variable.name in pending:
             # built in a stateless scope: initialised later, outside add_weight
-            variable._tfdist_layout_fn = pending[variable.name]
+            _registry.variable(variable).layout_fn = pending[variable.name]
         return variable
 
     _patches.install(core_ + "_initialize", _initialize)
@@ -363,4 +362,3 @@ def install() -> None:
     _patches.install(core_ + "numpy", numpy)
     _patches.install(core_ + "__array__", __array__)
     _patches.install("keras.src.layers.layer:Layer.add_weight", add_weight)
-    Variable._tfdist_installed = True

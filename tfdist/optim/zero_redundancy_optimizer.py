@@ -20,6 +20,7 @@ from typing import Any, Iterable
 import numpy as np
 from tensorflow.experimental import dtensor
 
+from tfdist import _registry
 from tfdist.device_mesh import DeviceMesh
 from tfdist.tensor._modules import module_backend
 
@@ -90,7 +91,7 @@ class ZeroRedundancyOptimizer:
         subclass = _zero_class(optimizer_class)
         optimizer = subclass(**defaults)
         module_backend(optimizer, "ZeroRedundancyOptimizer")  # loads tfdist's Keras integration
-        optimizer._tfdist_slot_layout = sharded_slot_layout(dp)
+        _registry.optimizer(optimizer).slot_layout = sharded_slot_layout(dp)
         return optimizer
 
 
