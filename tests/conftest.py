@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pathlib
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -32,3 +33,29 @@ def mesh_2d() -> tfdist.DeviceMesh:
 @pytest.fixture
 def mesh_1d() -> tfdist.DeviceMesh:
     return make_mesh((8,))
+
+
+# -- the slow suite's list (tests/slow_suite.txt) ------------------------------------------
+_SLOW_LIST = pathlib.Path(__file__).with_name("slow_suite.txt")
+
+
+def _slow_ids() -> set[str]:
+    lines = (line.split("#")[0].strip() for line in _SLOW_LIST.read_text().splitlines())
+    return {line for line in lines if line}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Marks the tests tests/slow_suite.txt lists as slow (run by ``pytest -m slow``); an id that
+    names no test of a collected file is an error, so the list follows renames."""
+    ids = _slow_ids()
+    matched: set[str] = set()
+    for item in items:
+        nodeid = item.nodeid.replace("\\", "/")
+        for key in (nodeid, nodeid.split("[")[0]):
+            if key in ids:
+                item.add_marker(pytest.mark.slow)
+                matched.add(key)
+    files = {item.nodeid.split("::")[0] for item in items}
+    stale = sorted(i for i in ids - matched if i.split("::")[0] in files)
+    if stale:
+        raise pytest.UsageError(f"tests/slow_suite.txt names tests that do not exist: {stale}")

@@ -49,6 +49,15 @@ def logits_loss_grads(model, ids, labels):
     return logits, loss, tape.gradient(loss, model.trainable_variables)
 
 
+def on_one_device(model: keras.Model) -> keras.Model:
+    """``model`` on a mesh of one device: the one-device reference that draws dropout and noise
+    with tfdist's mesh-invariant stream (a plain model keeps Keras' own stream)."""
+    import tfdist
+    from tfdist.tensor.parallel import parallelize_module
+
+    return parallelize_module(model, tfdist.DeviceMesh("cpu", [0]), {})
+
+
 def max_weight_diff(a: keras.Model, b: keras.Model) -> float:
     return max(float(np.abs(x - y).max()) for x, y in zip(a.get_weights(), b.get_weights()))
 

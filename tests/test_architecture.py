@@ -255,3 +255,27 @@ def test_registry_keeps_state_off_the_object_and_drops_it_with_the_object():
     del layer
     gc.collect()
     assert len(_registry._MODULES) == count - 1
+
+
+def test_a_plain_model_runs_kerass_own_code_with_tfdist_imported():
+    """The same plain Keras program (fit with dropout and attention, an eager call, an eager tape, a
+    plain tf.function) in two fresh processes, without and with ``import tfdist.keras``: the same
+    traced graph (op counts), losses, outputs and gradients -- tfdist's process-wide rows hand
+    calls they do not distribute to Keras' and TF's own code."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).parent / "plain" / "plain_model_run.py"
+    env = dict(os.environ, PYTHONPATH=str(PACKAGE.parent))
+    runs = [subprocess.Popen([sys.executable, str(script), *flag], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env) for flag in ([], ["--with-tfdist"])]
+    results = []
+    for run in runs:
+        out, err = run.communicate(timeout=600)
+        assert run.returncode == 0, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    without, with_tfdist = results
+    assert with_tfdist == without
+    assert "StatelessRandomUniformV2" in without["call_graph_ops"]  # Keras' own dropout draw was traced

@@ -1,7 +1,8 @@
 """Dropout on any mesh draws the same mask as on one device (same seed).
 
-Reference: the one-device model with the same Keras seed; the dropout
-statistics are checked against the rate.
+Reference: the model with the same Keras seed on a mesh of one device
+(``keras_helpers.on_one_device``); the dropout statistics are checked
+against the rate; a plain model keeps Keras' own stream.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import pytest
 import tensorflow as tf
 
 import tfdist
-from keras_helpers import DenseAdam, float64, no_global_distribution  # noqa: F401
+from keras_helpers import DenseAdam, float64, no_global_distribution, on_one_device  # noqa: F401
 from tfdist.keras._data import gather_to_numpy
 from tfdist.models import GPT, parallelize_gpt
 from tfdist.tensor import Shard, distribute_tensor
@@ -66,7 +67,7 @@ def test_gpt_with_dropout_trains_like_one_device():
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         return model.fit(ids, nxt, batch_size=8, epochs=1, shuffle=False, verbose=0).history["loss"]
 
-    ref = make()
+    ref = on_one_device(make())
     keras.utils.set_random_seed(1)
     ref_loss = train(ref)
     model = parallelize_gpt(make(), tfdist.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp")),
@@ -76,7 +77,7 @@ def test_gpt_with_dropout_trains_like_one_device():
     for a, b in zip(ref.get_weights(), model.get_weights()):
         np.testing.assert_allclose(b, a, atol=1e-9)
     keras.utils.set_random_seed(1)
-    assert abs(train(make(rate=0.0))[0] - ref_loss[0]) > 1e-4  # dropout did act
+    assert abs(train(on_one_device(make(rate=0.0)))[0] - ref_loss[0]) > 1e-4  # dropout did act
 
 
 def test_draw_like_statistics():
@@ -110,10 +111,24 @@ def test_noise_layers_train_like_one_device():
         model.compile(optimizer=DenseAdam(1e-2), loss="mse")
         return model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history["loss"]
 
-    ref = make()
+    ref = on_one_device(make())
     want = train(ref)
     mesh = tfdist.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
     model = parallelize_module(make(), mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
     np.testing.assert_allclose(train(model), want, rtol=1e-9)
     assert max_weight_diff(ref, model) < 1e-9
-    assert abs(train(make(noise=False))[0] - want[0]) > 1e-3  # the noise did act
+    assert abs(train(on_one_device(make(noise=False)))[0] - want[0]) > 1e-3  # the noise did act
+
+
+def test_a_plain_model_keeps_keras_own_dropout():
+    """No distribution: Keras' own stateless draw (tfdist does not change code it does not distribute)."""
+    from keras.src.backend.tensorflow import random as tf_random
+
+    from tfdist import _patches
+
+    original = _patches.original("keras.src.backend.tensorflow.random:dropout")
+    x = tf.ones((64, 64))
+    got = keras.random.dropout(x, 0.5, seed=keras.random.SeedGenerator(3))
+    want = original(x, 0.5, None, keras.random.SeedGenerator(3))
+    np.testing.assert_array_equal(got.numpy(), want.numpy())
+    assert tf_random.dropout is not original  # the row is installed; it hands this call to Keras

@@ -16,6 +16,18 @@ Example::
     keras.distribution.set_distribution(
         keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch"))
     model = make_model(); model.compile(...); model.fit(x, y, batch_size=16)
+
+What importing it changes, and where: the rows of ``tfdist._patches.PATCHES``
+(each with its reason and the Keras/TF version it was written against) are
+installed here, at import, and nowhere else -- ``import tfdist.keras`` is the
+one place.  ``parallelize_module``, ``fully_shard`` and ``distribute_module``
+import this package when they first meet a Keras model (Keras' own way of
+loading a backend by name), so calling them on a Keras model installs the
+rows too; ``tfdist.tensor`` alone installs nothing.  Every row first asks
+whether the call involves tfdist (a keras distribution, a variable or tensor
+on a mesh) and otherwise runs Keras' or TF's own code: a plain model in the
+same process traces the same graph and computes the same values
+(tests/test_architecture.py; cost: benchmarks/plain_code_overhead.py).
 """
 
 from __future__ import annotations

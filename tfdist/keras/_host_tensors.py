@@ -44,6 +44,15 @@ the layouts apply as in ``fit``.
 5. Labels and sample weights given to a Keras loss next to DTensor
 predictions, eagerly: replicated onto the predictions' mesh (torch's
 ``Replicate`` annotation of a plain tensor).
+
+Scope: these rows sit on TF's and Keras' call paths for the whole process,
+so each first asks whether the call can involve tfdist at all: a layer call
+only once a Keras variable was placed on a mesh or under a keras
+distribution, the others only once TF's DTensor device has a mesh.  Otherwise
+each hands the call straight to TensorFlow's or Keras' own function -- a
+process that imports tfdist.keras and runs plain models traces the same
+graphs (tests/test_architecture.py); the cost is measured in
+benchmarks/plain_code_overhead.py.
 """
 
 from __future__ import annotations
@@ -53,13 +62,14 @@ from typing import Any, Sequence
 import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
+from tensorflow.dtensor.python import api as _dtensor_api
 from tensorflow.python.eager import context
 
 import keras
 
 from tfdist import _patches
 from tfdist.keras import _variables
-from tfdist.keras._backend import tfdist_mesh
+from tfdist.keras._backend import mesh_variables_exist, tfdist_mesh
 from tfdist.keras._data import gather_to_numpy
 from tfdist.keras._eager_calls import eager_call, runs_traced
 
@@ -68,6 +78,14 @@ _GRADIENT = "tensorflow.python.eager.backprop:GradientTape.gradient"
 _LOSS_CALL = "keras.src.losses.loss:Loss.__call__"
 _LAYER_CALL = "keras.src.layers.layer:Layer.__call__"
 _NOT_DATA = (tf.resource, tf.variant)
+
+
+def dtensor_in_use() -> bool:
+    """A DTensor can exist in this process: TF's DTensor device exists and has a mesh (every
+    DTensor lives on a registered mesh).  Keras makes the device without a mesh; asking
+    ``dtensor.is_dtensor`` before any device would make one."""
+    device = _dtensor_api._dtensor_singleton
+    return device is not None and bool(device.meshes)
 
 
 def _is_plain(t: Any) -> bool:
@@ -150,7 +168,8 @@ def _install_layer_inputs() -> None:
     original = _patches.original(_LAYER_CALL)
 
     def call(self, *args, **kwargs):
-        if not tf.executing_eagerly():
+        if not (mesh_variables_exist() or keras.distribution.distribution() is not None) \
+                or not tf.executing_eagerly():
             return original(self, *args, **kwargs)
         args, kwargs = lift_layer_inputs(self, args, kwargs)
         if runs_traced(self, args, kwargs):  # tensors the layer makes meet DTensors (_eager_calls)
@@ -164,7 +183,8 @@ def _install_loss_inputs() -> None:
     original = _patches.original(_LOSS_CALL)
 
     def call(self, y_true, y_pred, sample_weight=None):
-        if tf.executing_eagerly() and isinstance(y_pred, tf.Tensor) and dtensor.is_dtensor(y_pred):
+        if dtensor_in_use() and tf.executing_eagerly() and isinstance(y_pred, tf.Tensor) \
+                and dtensor.is_dtensor(y_pred):
             y_true = beside(_as_tensor(y_true), y_pred)
             sample_weight = beside(_as_tensor(sample_weight), y_pred)
         return original(self, y_true, y_pred, sample_weight)
@@ -179,7 +199,7 @@ def install() -> None:
     original_gradient = _patches.original(_GRADIENT)
 
     def gradient(self, target, sources, output_gradients=None, unconnected_gradients=tf.UnconnectedGradients.NONE):
-        if output_gradients is None and context.executing_eagerly():
+        if output_gradients is None and dtensor_in_use() and context.executing_eagerly():
             output_gradients = dtensor_seeds(target)
         return original_gradient(self, target, sources, output_gradients, unconnected_gradients)
 
@@ -187,7 +207,7 @@ def install() -> None:
     original = _patches.original(_NAME)
 
     def call_flat(self, tensor_inputs, captured_inputs):
-        if context.executing_eagerly():
+        if dtensor_in_use() and context.executing_eagerly():
             # arguments, and tensors the function captured from Python (a target in a closure)
             lifted = lift_plain_inputs(list(tensor_inputs) + list(captured_inputs), ())
             tensor_inputs, captured_inputs = lifted[:len(tensor_inputs)], lifted[len(tensor_inputs):]
@@ -201,7 +221,7 @@ def _install_convert_to_numpy() -> None:
     original = _patches.original(name)
 
     def convert_to_numpy(x):
-        if isinstance(x, tf.Tensor) and dtensor.is_dtensor(x):
+        if dtensor_in_use() and isinstance(x, tf.Tensor) and dtensor.is_dtensor(x):
             return np.array(gather_to_numpy(x))
         return original(x)
 

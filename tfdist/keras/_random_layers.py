@@ -2,7 +2,9 @@
 
 Keras' TF backend draws with TF's stateless random ops; on DTensor those
 draw per-device streams, so a seeded model with dropout or noise trains
-differently on every mesh.  With tfdist.keras imported:
+differently on every mesh.  With tfdist.keras imported, for a model on a mesh
+(under a keras distribution: a model's own, which ``parallelize_module`` /
+``fully_shard`` give it, or a global one):
 
 * Keras' ``dropout`` (the ``Dropout`` layer, MultiHeadAttention's attention
   dropout, ``keras.random.dropout``) keeps an element when a hash of
@@ -14,9 +16,12 @@ differently on every mesh.  With tfdist.keras imported:
   other callers keep Keras' own streams).
 
 Values are computed on each device for its own shard.  The same seed gives
-the same masks, noise, losses and weights on one device and on any mesh.
-Keras' seeding is unchanged (``SeedGenerator`` state,
-``keras.utils.set_random_seed``); only the stream differs from stock Keras.
+the same masks, noise, losses and weights on every mesh -- a mesh of one
+device included, which is how to get a one-device reference with the same
+draws (``parallelize_module(model, tfdist.DeviceMesh("cpu", [0]), {})``).
+A plain model (no distribution) keeps Keras' own stream and graph: tfdist
+changes nothing for code it does not distribute.  Keras' seeding is
+unchanged (``SeedGenerator`` state, ``keras.utils.set_random_seed``).
 """
 
 from __future__ import annotations
@@ -67,6 +72,8 @@ def _install_noise_layers() -> None:
         replacement = _normal if draw == _NORMAL else _uniform
 
         def call(self, inputs, training=False, _original=original, _draw=draw, _replacement=replacement):
+            if keras.distribution.distribution() is None:  # a plain model: Keras' own stream
+                return _original(self, inputs, training=training)
             with _patches.scoped(_draw, _replacement):
                 return _original(self, inputs, training=training)
 
@@ -77,8 +84,8 @@ def install() -> None:
     from keras.src.backend.tensorflow import random as tf_random
 
     def dropout(inputs, rate, noise_shape=None, seed=None):
-        if rate == 1.0 or rate == 0.0:
-            return original(inputs, rate, noise_shape, seed)
+        if rate == 1.0 or rate == 0.0 or keras.distribution.distribution() is None:
+            return original(inputs, rate, noise_shape, seed)  # a plain model: Keras' own stream
         seed = tf_random.draw_seed(seed)
         noise_shape = tf_random._get_concrete_noise_shape(inputs, noise_shape)
         return _random.dropout(inputs, rate, noise_shape, seed, mesh=_active_mesh())

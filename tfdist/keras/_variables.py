@@ -28,7 +28,7 @@ from tensorflow.experimental import dtensor
 
 from tfdist import _patches, _registry
 from tfdist.fsdp import FSDPStyle
-from tfdist.keras._backend import _as_tf_layout, distribute_tensor, tfdist_mesh
+from tfdist.keras._backend import _as_tf_layout, distribute_tensor, new_dvariable, tfdist_mesh
 from tfdist.keras._data import gather_to_numpy
 from tfdist.tensor._modules import module_backend
 from tfdist.tensor._redistribute import relayout
@@ -261,9 +261,7 @@ def to_dvariable(variable: Any, layout: dtensor.Layout) -> None:
             return
         value = relayout(value, dtensor.Layout.replicated(old_layout.mesh, value.shape.rank), old_layout)
         value = dtensor.unpack(value)[0]
-    variable._value = dtensor.DVariable(
-        distribute_tensor(value, layout), trainable=variable.trainable, name=variable.name
-    )
+    variable._value = new_dvariable(value, layout, trainable=variable.trainable, name=variable.name)
 
 
 def install() -> None:
@@ -297,9 +295,7 @@ def install() -> None:
             if callable(value):
                 value = value()
             value = tf.cast(tf.convert_to_tensor(value), self._dtype)
-            self._value = dtensor.DVariable(
-                distribute_tensor(value, layout), trainable=self.trainable, name=self.name
-            )
+            self._value = new_dvariable(value, layout, trainable=self.trainable, name=self.name)
 
     def _direct_assign(self, value):
         if isinstance(self._value, dtensor.DVariable):
