@@ -279,3 +279,36 @@ def test_a_plain_model_runs_kerass_own_code_with_tfdist_imported():
     without, with_tfdist = results
     assert with_tfdist == without
     assert "StatelessRandomUniformV2" in without["call_graph_ops"]  # Keras' own dropout draw was traced
+
+
+# -- the framework seam --------------------------------------------------------------------
+_KERAS_ATTRIBUTES = {"kernel", "bias", "activation", "compute_dtype", "lora_enabled", "quantization_mode",
+                     "_learning_rate", "equation", "bias_axes", "input_dim"}
+
+
+def test_tensor_fsdp_and_checkpoint_read_no_keras_attribute():
+    """What tensor/, fsdp/ and checkpoint/ need of a layer or optimizer comes through the
+    ModuleBackend (LayerKind, weights(), optimizer_scalars()), not from Keras attributes."""
+    bad = []
+    for name, path in MODULES.items():
+        if not name.startswith(("tfdist.tensor", "tfdist.fsdp", "tfdist.checkpoint")):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in _KERAS_ATTRIBUTES \
+                    and isinstance(node.value, ast.Name) and node.value.id in ("layer", "optim", "optimizer", "module"):
+                bad.append(f"{name}:{node.lineno} {node.value.id}.{node.attr}")
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr") \
+                    and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) \
+                    and node.args[1].value in _KERAS_ATTRIBUTES:
+                bad.append(f"{name}:{node.lineno} getattr(..., {node.args[1].value!r})")
+    assert not bad, bad
+
+
+def test_one_dense_equation():
+    """The dense product's einsum is written once (LayerKind.equation_for), not at each call site."""
+    spelled = [name for name, path in MODULES.items() if '"abcdefghijlmopqrsuvwxy"' in path.read_text()]
+    assert spelled == ["tfdist.tensor._modules"], spelled
+    from tfdist.tensor._modules import LayerKind
+
+    assert LayerKind("dense").equation_for(3) == "abk,kn->abn"
+    assert LayerKind("einsum", equation="bd,dhk->bhk").einsum_parts() == ("bd", "dhk", "bhk")

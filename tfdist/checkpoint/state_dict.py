@@ -163,11 +163,7 @@ def _ensure_built(model: Any, optim: Any) -> None:
 
 
 def _optimizer_scalars(optim: Any) -> dict[str, Any]:
-    out = {"iterations": optim.iterations}
-    lr = getattr(optim, "_learning_rate", None)
-    if lr is not None and hasattr(lr, "assign"):
-        out["learning_rate"] = lr
-    return out
+    return module_backend(optim, "get_optimizer_state_dict").optimizer_scalars(optim)
 
 
 def get_optimizer_state_dict(model: Any, optimizers: Any, *, submodules: Any = None,

@@ -437,16 +437,15 @@ def _params_sharded_on(modules: ModuleBackend, layer: Any, dp: str) -> dict[str,
 
 def _einsum_form(modules: ModuleBackend, layer: Any, params: dict) -> tuple[str, str] | None:
     """(equation with ``...`` spelled out later, bias letters) for a Dense/EinsumDense FSDP can compute."""
-    if modules.call_replaced(layer) or getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
+    kind = modules.layer_kind(layer)
+    if modules.call_replaced(layer) or not kind.plain:
         return None
     if not set(params) <= {"kernel", "bias"} or "kernel" not in params:
         return None
-    kind = modules.layer_kind(layer)
     if kind.kind == "dense":
         return "dense", "n"
     if kind.kind == "einsum":
-        lhs, out = kind.equation.split("->")
-        inp, ker = lhs.split(",")
+        inp, ker, out = kind.einsum_parts()
         if "." in kind.equation or inp[0] in ker or inp[0] not in out or out[0] != inp[0]:
             return None
         if any(c not in out and c not in ker for c in inp):
@@ -465,16 +464,15 @@ def _sharded_product_call(
     """``form``: (equation or ``"dense"``, bias letters), decided once when the layer is hooked."""
     kernel_var, kernel_param = params["kernel"]
     bias = params.get("bias")
+    kind = modules.layer_kind(layer)
 
     def call(original, inputs, *args, **kwargs):
         x = as_tf(inputs)
         if modules.is_symbolic(x) or not isinstance(x, tf.Tensor):
             return original(inputs, *args, **kwargs)
-        equation, letters = form
-        if equation == "dense":
-            lead = "abcdefghijlmopqrsuvwxy"[: x.shape.rank - 1]
-            equation = f"{lead}k,kn->{lead}n"
-        compute = state.mp.param_dtype or tf.as_dtype(layer.compute_dtype)
+        letters = form[1]
+        equation = kind.equation_for(x.shape.rank)
+        compute = state.mp.param_dtype or tf.as_dtype(kind.compute_dtype)
         bias_arg = None if bias is None else (modules.stored_value(bias[0]), bias[1], letters)
         y = sharded_einsum(
             equation, x, modules.stored_value(kernel_var), kernel_param,
@@ -483,11 +481,10 @@ def _sharded_product_call(
             regather=(lambda: modules.stored_value(kernel_var)) if state.regather_in_backward else None,
             bias=bias_arg,
         )
-        y = tf.cast(y, layer.compute_dtype)  # the layer's output dtype, whatever param_dtype computed
+        y = tf.cast(y, kind.compute_dtype)  # the layer's output dtype, whatever param_dtype computed
         if state.divide_factor:
             y = _scale_grad(y, 1.0 / state.divide_factor)
-        activation = getattr(layer, "activation", None)
-        return activation(y) if activation is not None else y
+        return kind.activation(y) if kind.activation is not None else y
 
     return call
 
@@ -502,14 +499,16 @@ def _batch_splits(x: tf.Tensor, param: ShardedParam) -> bool:
 
 def _is_plain_lookup(modules: ModuleBackend, layer: Any, params: dict) -> bool:
     """An Embedding FSDP can look up itself (no LoRA, not quantized, a 2-D table)."""
-    if modules.call_replaced(layer) or getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
+    kind = modules.layer_kind(layer)
+    if modules.call_replaced(layer) or not kind.plain:
         return False
-    return modules.layer_kind(layer).kind == "embedding" and set(params) == {"embeddings"} and len(
+    return kind.kind == "embedding" and set(params) == {"embeddings"} and len(
         params["embeddings"][0].shape) == 2
 
 
 def _sharded_lookup_call(modules: ModuleBackend, layer: Any, params: dict, state: _FSDPState) -> Callable:
     table_var, table_param = params["embeddings"]
+    kind = modules.layer_kind(layer)
 
     def call(original, inputs, *args, **kwargs):
         ids = as_tf(inputs)
@@ -521,7 +520,7 @@ def _sharded_lookup_call(modules: ModuleBackend, layer: Any, params: dict, state
             batch_sharded=_batch_splits(ids, table_param),
             compute_dtype=state.mp.param_dtype, reduce_dtype=state.mp.reduce_dtype,
         )
-        return tf.cast(y, layer.compute_dtype)
+        return tf.cast(y, kind.compute_dtype)
 
     return call
 

@@ -149,6 +149,15 @@ def _own_call(layer: Any, base: type) -> bool:
     return isinstance(layer, base) and type(layer).call is base.call
 
 
+def _extension(layer: Any) -> str:
+    """What a Keras layer adds to its plain product: a LoRA branch, or a quantized kernel's scale."""
+    for attribute in ("lora_enabled", "quantization_mode"):
+        value = getattr(layer, attribute, None)
+        if value:
+            return f"{attribute}={value!r}"
+    return ""
+
+
 class KerasModules:
     """The ModuleBackend for Keras 3 layers and models."""
 
@@ -183,13 +192,14 @@ class KerasModules:
         else: it is an "other" layer, run as its own code.
         """
         use_bias = bool(getattr(layer, "use_bias", True))
+        facts = dict(extended_by=_extension(layer), compute_dtype=getattr(layer, "compute_dtype", None))
         if _own_call(layer, keras.layers.EinsumDense):
             return LayerKind("einsum", use_bias=bool(layer.bias_axes), equation=layer.equation.replace(" ", ""),
-                             bias_axes=layer.bias_axes or "")
+                             bias_axes=layer.bias_axes or "", activation=layer.activation, **facts)
         if _own_call(layer, keras.layers.Embedding):
-            return LayerKind("embedding", use_bias=False, num_embeddings=int(layer.input_dim))
+            return LayerKind("embedding", use_bias=False, num_embeddings=int(layer.input_dim), **facts)
         if _own_call(layer, keras.layers.Dense):
-            return LayerKind("dense", use_bias=use_bias)
+            return LayerKind("dense", use_bias=use_bias, activation=layer.activation, **facts)
         if isinstance(layer, _NORMS) and any(_own_call(layer, base) for base in _NORMS):
             return LayerKind("norm", use_bias=use_bias)
         if isinstance(layer, keras.layers.Dropout):
@@ -203,6 +213,13 @@ class KerasModules:
 
     def all_weights(self, module: Any) -> list[Any]:
         return list(module.weights)
+
+    def optimizer_scalars(self, optimizer: Any) -> dict[str, Any]:
+        out = {"iterations": optimizer.iterations}
+        lr = getattr(optimizer, "_learning_rate", None)  # a variable, or a schedule called with the step
+        if hasattr(lr, "assign"):
+            out["learning_rate"] = lr
+        return out
 
     def variables(self, module: Any) -> list[Any]:
         """The module's variables and, when compiled, its metrics' (the loss tracker)."""

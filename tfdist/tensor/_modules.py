@@ -42,6 +42,17 @@ class LayerKind:
     ``kind`` is one of ``"dense"``, ``"einsum"``, ``"embedding"``, ``"norm"``,
     ``"dropout"``, ``"attention"`` or ``"other"``.  ``equation`` and
     ``bias_axes`` describe an einsum layer; ``num_embeddings`` an embedding.
+    A dense or einsum layer computes ``activation(einsum(equation_for(rank),
+    x, kernel) + bias)`` in ``compute_dtype`` (its weights ``"kernel"`` and
+    ``"bias"``); ``extended_by`` names what the layer adds to that formula
+    (``"lora_enabled=True"``, a quantization mode), and then nothing may
+    compute the product in its place (``plain`` is False).
+
+    Example::
+
+        kind = modules.layer_kind(dense)        # LayerKind("dense", ...)
+        kind.equation_for(3)                    # "abk,kn->abn"
+        inp, ker, out = kind.einsum_parts(3)    # "abk", "kn", "abn"
     """
 
     kind: str
@@ -49,6 +60,29 @@ class LayerKind:
     equation: str = ""
     bias_axes: str = ""
     num_embeddings: int = 0
+    extended_by: str = ""
+    activation: Callable[[Any], Any] | None = None
+    compute_dtype: str | None = None
+
+    @property
+    def plain(self) -> bool:
+        return not self.extended_by
+
+    def equation_for(self, rank: int) -> str:
+        """The einsum of the layer's product for an input of ``rank`` dims (a dense layer contracts
+        the last input dim ``k`` with the kernel's first)."""
+        if self.kind == "dense":
+            lead = "abcdefghijlmopqrsuvwxy"[: rank - 1]
+            return f"{lead}k,kn->{lead}n"
+        if self.kind == "einsum":
+            return self.equation
+        raise ValueError(f"a {self.kind!r} layer is not an einsum product")
+
+    def einsum_parts(self, rank: int = 2) -> tuple[str, str, str]:
+        """(input, kernel, output) subscripts of ``equation_for(rank)``."""
+        lhs, out = self.equation_for(rank).split("->")
+        inp, ker = lhs.split(",")
+        return inp, ker, out
 
 
 class Pending:
@@ -80,6 +114,10 @@ class ModuleBackend(Protocol):
 
     def all_weights(self, module: Any) -> list[Any]:
         """The weights of the module and all its sublayers (no random-generator state, no metrics)."""
+
+    def optimizer_scalars(self, optimizer: Any) -> dict[str, Any]:
+        """The optimizer's own state variables a checkpoint keeps beside its slots: the step count
+        (``"iterations"``) and, where it is a variable, ``"learning_rate"``."""
 
     def set_weight_layout(self, layer: Any, name: str, layout_fn: Callable[[int], dtensor.Layout]) -> None:
         """Lays out a weight now (built) or when it is created (unbuilt)."""

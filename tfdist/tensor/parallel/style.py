@@ -236,16 +236,18 @@ def _unsupported(style: str, layer: Any, ctx: _Context, supported: str) -> TypeE
     )
 
 
-def _einsum_parts(kind: LayerKind) -> tuple[str, str, str]:
-    lhs, out = kind.equation.split("->")
-    inp, ker = lhs.split(",")
-    return inp, ker, out
-
-
 def _contracted_letters(kind: LayerKind) -> list[str]:
     """Kernel dims an EinsumDense sums over (in the input and the kernel, not the output)."""
-    inp, ker, out = _einsum_parts(kind)
+    inp, ker, out = kind.einsum_parts()
     return [c for c in ker if c in inp and c not in out]
+
+
+def _bias_and_activation(ctx: _Context, layer: Any, kind: LayerKind, y: tf.Tensor) -> tf.Tensor:
+    """The rest of a dense/einsum layer's formula after its product."""
+    bias = ctx.modules.weights(layer).get("bias")
+    if bias is not None:
+        y = y + _partial_products.reads_as(bias, y.dtype)
+    return kind.activation(y) if kind.activation is not None else y
 
 
 class ColwiseParallel(ParallelStyle):
@@ -273,7 +275,7 @@ class ColwiseParallel(ParallelStyle):
     def _plan(self, layer: Any, ctx: _Context) -> tuple[dict[str, list], tuple[Placement, ...]]:
         kind = ctx.modules.layer_kind(layer)
         if kind.kind == "einsum":
-            inp, ker, out = _einsum_parts(kind)
+            inp, ker, out = kind.einsum_parts()
             free = [c for c in ker if c in out and c not in inp]
             if not free:
                 raise _unsupported("ColwiseParallel", layer, ctx, "EinsumDense with an output feature dim")
@@ -320,13 +322,13 @@ class ColwiseParallel(ParallelStyle):
         backward (a reduce-scatter of the input gradient) can be written; else None."""
         if not any(isinstance(p, Shard) for p in self.input_layouts):
             return None
-        if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
-            return None
         kind = ctx.modules.layer_kind(layer)
+        if not kind.plain:
+            return None
         if kind.kind == "dense":
             return "dense", "n"
         if kind.kind == "einsum":
-            inp, ker, out = _einsum_parts(kind)
+            inp, ker, out = kind.einsum_parts()
             free = [c for c in ker if c in out and c not in inp]
             if free and all(c in out or c in ker for c in inp) and all(c in inp or c in out for c in ker):
                 return kind.equation, free[0]
@@ -334,21 +336,17 @@ class ColwiseParallel(ParallelStyle):
 
     def _gathered_call(self, layer: Any, ctx: _Context, weights: dict, equation: str, letter: str) -> None:
         arrives_as = self.input_layouts
+        kind = ctx.modules.layer_kind(layer)
 
         def call(original, inputs, *args, **kwargs):
             x = as_tf(inputs)
             if ctx.modules.is_symbolic(x):
                 return original(inputs, *args, **kwargs)
-            kernel = _partial_products.reads_as(layer.kernel, x.dtype)
-            eq = equation
-            if eq == "dense":
-                lead = "abcdefghijlmopqrsuvwxy"[: x.shape.rank - 1]
-                eq = f"{lead}k,kn->{lead}n"
+            kernel = _partial_products.reads_as(ctx.modules.weights(layer)["kernel"], x.dtype)
             kernel_layout = ctx.weight_layout(weights["kernel"])(kernel.shape.rank)
-            y = _partial_products.gathered_product(ctx, eq, x, kernel, letter, arrives_as, kernel_layout)
-            if layer.bias is not None:
-                y = y + _partial_products.reads_as(layer.bias, y.dtype)
-            return layer.activation(y) if layer.activation is not None else y
+            y = _partial_products.gathered_product(
+                ctx, kind.equation_for(x.shape.rank), x, kernel, letter, arrives_as, kernel_layout)
+            return _bias_and_activation(ctx, layer, kind, y)
 
         ctx.modules.replace_call(layer, call)
 
@@ -382,7 +380,7 @@ class RowwiseParallel(ParallelStyle):
     def _plan(self, layer: Any, ctx: _Context) -> tuple[dict[str, list], tuple[Placement, ...]]:
         kind = ctx.modules.layer_kind(layer)
         if kind.kind == "einsum":
-            inp, ker, out = _einsum_parts(kind)
+            inp, ker, out = kind.einsum_parts()
             contracted = _contracted_letters(kind)
             if not contracted:
                 raise _unsupported("RowwiseParallel", layer, ctx, "EinsumDense with a contracted dim")
@@ -399,14 +397,13 @@ class RowwiseParallel(ParallelStyle):
 
     def _validate(self, layer: Any, ctx: _Context) -> None:
         super()._validate(layer, ctx)
-        if self._reduces_explicitly(layer, ctx):
-            for attribute in ("lora_enabled", "quantization_mode"):
-                if getattr(layer, attribute, None):
-                    raise ValueError(
-                        f"RowwiseParallel(output_layouts={self.output_layouts!r}) on layer {ctx.fqn!r}: "
-                        f"the layer has {attribute}={getattr(layer, attribute)!r}, which the "
-                        "reduce-scattered row-parallel product does not cover; use output_layouts=Replicate()."
-                    )
+        extended_by = ctx.modules.layer_kind(layer).extended_by
+        if self._reduces_explicitly(layer, ctx) and extended_by:
+            raise ValueError(
+                f"RowwiseParallel(output_layouts={self.output_layouts!r}) on layer {ctx.fqn!r}: "
+                f"the layer has {extended_by}, which the "
+                "reduce-scattered row-parallel product does not cover; use output_layouts=Replicate()."
+            )
 
     def _reduces_explicitly(self, layer: Any, ctx: _Context) -> bool:
         """Computed as a Partial and reduced by tfdist (else TF's in-op all-reduce)."""
@@ -443,21 +440,16 @@ class RowwiseParallel(ParallelStyle):
             if kind.kind == "embedding":
                 table = ctx.modules.weights(layer)["embeddings"]
                 stacked = _partial_products.partial_lookup(ctx, x, tf.convert_to_tensor(table))
-                return tf.cast(_partial_products.resolve_partial(ctx, stacked, out_layouts), layer.compute_dtype)
-            kernel = _partial_products.reads_as(layer.kernel, x.dtype)
+                return tf.cast(_partial_products.resolve_partial(ctx, stacked, out_layouts), kind.compute_dtype)
+            kernel = _partial_products.reads_as(ctx.modules.weights(layer)["kernel"], x.dtype)
             rank = x.shape.rank
-            if kind.kind == "einsum":
-                equation, letter = kind.equation, _contracted_letters(kind)[0]
-            else:
-                lead = "abcdefghijlmopqrsuvwxy"[: rank - 1]
-                equation, letter = f"{lead}k,kn->{lead}n", "k"
+            letter = _contracted_letters(kind)[0] if kind.kind == "einsum" else "k"
             x_specs = ctx.layout_of(in_layouts, rank).sharding_specs
             k_specs = ctx.weight_layout(weights["kernel"])(kernel.shape.rank).sharding_specs
-            stacked = _partial_products.partial_einsum(ctx, equation, x, kernel, letter, x_specs, k_specs)
+            stacked = _partial_products.partial_einsum(
+                ctx, kind.equation_for(rank), x, kernel, letter, x_specs, k_specs)
             y = _partial_products.resolve_partial(ctx, stacked, out_layouts)
-            if layer.bias is not None:
-                y = y + _partial_products.reads_as(layer.bias, y.dtype)
-            return layer.activation(y) if layer.activation is not None else y
+            return _bias_and_activation(ctx, layer, kind, y)
 
         ctx.modules.replace_call(layer, call)
 
