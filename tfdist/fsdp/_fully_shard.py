@@ -353,9 +353,9 @@ def _layer_call(modules: ModuleBackend, layer: Any, params: dict, state: _FSDPSt
         return _sharded_lookup_call(modules, layer, params, state), True
     if modules.layer_kind(layer).kind == "norm" and not modules.call_replaced(layer):
         return _sharded_norm_call(modules, layer, params, state), True
-    form = _einsum_form(modules, layer, params)
-    if form is not None:
-        return _sharded_product_call(modules, layer, params, state, form), True
+    letters = _bias_letters(modules, layer, params)
+    if letters is not None:
+        return _sharded_product_call(modules, layer, params, state, letters), True
     # a tensor-parallel product that reads the weights itself is wrapped from outside
     return _gathered_call(modules, params, state), not modules.call_replaced(layer)
 
@@ -435,15 +435,16 @@ def _params_sharded_on(modules: ModuleBackend, layer: Any, dp: str) -> dict[str,
     return out if any_sharded else {}
 
 
-def _einsum_form(modules: ModuleBackend, layer: Any, params: dict) -> tuple[str, str] | None:
-    """(equation with ``...`` spelled out later, bias letters) for a Dense/EinsumDense FSDP can compute."""
+def _bias_letters(modules: ModuleBackend, layer: Any, params: dict) -> str | None:
+    """The output letters a Dense/EinsumDense's bias covers, for a layer FSDP can compute as its
+    einsum (``LayerKind.equation_for``); None for any other layer."""
     kind = modules.layer_kind(layer)
     if modules.call_replaced(layer) or not kind.plain:
         return None
     if not set(params) <= {"kernel", "bias"} or "kernel" not in params:
         return None
     if kind.kind == "dense":
-        return "dense", "n"
+        return "n"
     if kind.kind == "einsum":
         inp, ker, out = kind.einsum_parts()
         if "." in kind.equation or inp[0] in ker or inp[0] not in out or out[0] != inp[0]:
@@ -454,14 +455,14 @@ def _einsum_form(modules: ModuleBackend, layer: Any, params: dict) -> tuple[str,
         if kind.bias_axes:
             first = min(out.index(c) for c in kind.bias_axes)
             letters = out[first:]
-        return kind.equation, letters
+        return letters
     return None
 
 
 def _sharded_product_call(
-    modules: ModuleBackend, layer: Any, params: dict, state: _FSDPState, form: tuple[str, str],
+    modules: ModuleBackend, layer: Any, params: dict, state: _FSDPState, letters: str,
 ) -> Callable:
-    """``form``: (equation or ``"dense"``, bias letters), decided once when the layer is hooked."""
+    """``letters``: the bias's output letters, decided once when the layer is hooked."""
     kernel_var, kernel_param = params["kernel"]
     bias = params.get("bias")
     kind = modules.layer_kind(layer)
@@ -470,7 +471,6 @@ def _sharded_product_call(
         x = as_tf(inputs)
         if modules.is_symbolic(x) or not isinstance(x, tf.Tensor):
             return original(inputs, *args, **kwargs)
-        letters = form[1]
         equation = kind.equation_for(x.shape.rank)
         compute = state.mp.param_dtype or tf.as_dtype(kind.compute_dtype)
         bias_arg = None if bias is None else (modules.stored_value(bias[0]), bias[1], letters)

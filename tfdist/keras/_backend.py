@@ -101,19 +101,20 @@ def _distribute_one(tensor: Any, layout: Any) -> tf.Tensor:
     return dtensor.relayout(tensor, tf_layout)
 
 
-_MESH_VARIABLES: list[bool] = []  # non-empty once a Keras variable was placed on a mesh
+_mesh_variables_made = False
 
 
 def mesh_variables_exist() -> bool:
     """tfdist has placed a Keras variable on a mesh in this process.  Until then no layer can hold
     one, and the rows on Keras' call path hand every call to Keras (``_host_tensors``)."""
-    return bool(_MESH_VARIABLES)
+    return _mesh_variables_made
 
 
 def new_dvariable(value: Any, layout: Any, **kwargs: Any) -> dtensor.DVariable:
     """``value`` laid out by ``layout`` as the DVariable a Keras variable keeps (every such variable
     is made here)."""
-    _MESH_VARIABLES[:] = [True]
+    global _mesh_variables_made
+    _mesh_variables_made = True
     return dtensor.DVariable(distribute_tensor(value, layout), **kwargs)
 
 

@@ -126,15 +126,15 @@ def lift_plain_inputs(tensor_inputs: Sequence[Any], captured_inputs: Sequence[An
 def dtensor_seeds(target: Any) -> list[Any] | None:
     """``output_gradients`` for an eager tape: ones like each DTensor target (None if none is)."""
     flat = tf.nest.flatten(target)
-    if not any(isinstance(t, tf.Tensor) and dtensor.is_dtensor(t) for t in flat):
+    if not any(_on_dtensor_device(t) for t in flat):
         return None
-    return [tf.ones_like(t) if isinstance(t, tf.Tensor) and dtensor.is_dtensor(t) else None for t in flat]
+    return [tf.ones_like(t) if _on_dtensor_device(t) else None for t in flat]
 
 
 def beside(mask: Any, like: Any) -> Any:
     """An eager host ``mask`` copied, replicated, onto the mesh of DTensor ``like``."""
-    if tf.executing_eagerly() and isinstance(like, tf.Tensor) and dtensor.is_dtensor(like) \
-            and isinstance(mask, tf.Tensor) and not dtensor.is_dtensor(mask):
+    if tf.executing_eagerly() and _on_dtensor_device(like) \
+            and isinstance(mask, tf.Tensor) and not _on_dtensor_device(mask):
         mesh = dtensor.fetch_layout(like).mesh
         return dtensor.copy_to_mesh(mask, dtensor.Layout.replicated(mesh, mask.shape.rank))
     return mask
@@ -190,8 +190,7 @@ def _install_loss_inputs() -> None:
     original = _patches.original(_LOSS_CALL)
 
     def call(self, y_true, y_pred, sample_weight=None):
-        if dtensor_in_use() and tf.executing_eagerly() and isinstance(y_pred, tf.Tensor) \
-                and dtensor.is_dtensor(y_pred):
+        if tf.executing_eagerly() and _on_dtensor_device(y_pred):
             y_true = beside(_as_tensor(y_true), y_pred)
             sample_weight = beside(_as_tensor(sample_weight), y_pred)
         return original(self, y_true, y_pred, sample_weight)
@@ -228,7 +227,7 @@ def _install_convert_to_numpy() -> None:
     original = _patches.original(name)
 
     def convert_to_numpy(x):
-        if dtensor_in_use() and isinstance(x, tf.Tensor) and dtensor.is_dtensor(x):
+        if _on_dtensor_device(x):
             return np.array(gather_to_numpy(x))
         return original(x)
 
