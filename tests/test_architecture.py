@@ -53,6 +53,15 @@ def test_tensor_never_imports_keras():
     assert not bad, bad
 
 
+def test_a_second_framework_needs_no_change_to_tensor_or_fsdp():
+    """The proof of the seam is tests/test_second_backend.py: parallelize_module and fully_shard on
+    plain tf.Modules through their own ModuleBackend; this checks that backend imports no Keras."""
+    source = (pathlib.Path(__file__).parent / "tfmodule_backend.py").read_text()
+    imported = {t for t, _, _ in _imports(pathlib.Path(__file__).parent / "tfmodule_backend.py", "tfmodule_backend")}
+    assert not any(t == "keras" or t.startswith(("keras.", "tfdist.keras")) for t in imported), imported
+    assert "register_module_backend(" in source
+
+
 def test_only_tfdist_keras_reaches_keras_internals():
     bad = [
         f"{name}:{line} imports {target}"
@@ -283,7 +292,7 @@ def test_a_plain_model_runs_kerass_own_code_with_tfdist_imported():
 
 # -- the framework seam --------------------------------------------------------------------
 _KERAS_ATTRIBUTES = {"kernel", "bias", "activation", "compute_dtype", "lora_enabled", "quantization_mode",
-                     "_learning_rate", "equation", "bias_axes", "input_dim"}
+                     "_learning_rate", "equation", "bias_axes", "input_dim", "trainable"}
 
 
 def test_tensor_fsdp_and_checkpoint_read_no_keras_attribute():
@@ -295,7 +304,7 @@ def test_tensor_fsdp_and_checkpoint_read_no_keras_attribute():
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute) and node.attr in _KERAS_ATTRIBUTES \
-                    and isinstance(node.value, ast.Name) and node.value.id in ("layer", "optim", "optimizer", "module"):
+                    and isinstance(node.value, ast.Name) and node.value.id in ("layer", "optim", "optimizer", "module", "variable", "v"):
                 bad.append(f"{name}:{node.lineno} {node.value.id}.{node.attr}")
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr") \
                     and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) \

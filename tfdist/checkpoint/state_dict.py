@@ -86,11 +86,7 @@ def _check_model(model: Any, api: str) -> None:
 
 def _frozen(model: Any) -> set[int]:
     modules = module_backend(model, "get_model_state_dict")
-    frozen: set[int] = set()
-    for _, layer in modules.named_layers(model):
-        if getattr(layer, "trainable", True) is False:
-            frozen.update(id(v) for v in getattr(layer, "weights", []))
-    return frozen
+    return {id(v) for v in modules.frozen_weights(model)}
 
 
 def _model_variables(model: Any, options: StateDictOptions) -> dict[str, Any]:

@@ -182,7 +182,7 @@ def _units(modules, module: Any, policy: Callable | None) -> list[Any]:
     units = []
     for layer in reversed(layers[1:]):  # reverse pre-order: every sublayer before its parent
         own = [v for _, sub in modules.named_layers(layer) if modules.is_built(sub)
-               for v in modules.weights(sub).values() if getattr(v, "trainable", False)]
+               for v in modules.weights(sub).values() if modules.is_trainable(v)]
         free = [v for v in own if id(v) not in grouped]
         numel = sum(int(math.prod(v.shape)) for v in free)
         if free and policy(module=layer, recurse=False, nonwrapped_numel=numel):
@@ -341,7 +341,7 @@ class FullyShardedDataParallel(metaclass=_FSDP1Meta):
         if with_grads:
             raise ValueError("summon_full_params(with_grads=True): Keras variables keep no gradients.")
         modules = module_backend(module, "summon_full_params")
-        variables = [v for v in modules.variables(module) if getattr(v, "trainable", False)]
+        variables = [v for v in modules.variables(module) if modules.is_trainable(v)]
         saved = None if writeback else [tf.identity(modules.stored_value(v)) for v in variables]
         try:
             yield

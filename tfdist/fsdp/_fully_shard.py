@@ -209,7 +209,7 @@ def _group_variables(modules: ModuleBackend, module: Any, ignored: set[int]) -> 
         if not modules.is_built(layer):
             continue
         for name, variable in modules.weights(layer).items():
-            if getattr(variable, "trainable", False) and id(variable) not in taken:
+            if modules.is_trainable(variable) and id(variable) not in taken:
                 taken.add(id(variable))
                 out.append((path or modules.layer_name(module), layer, name, variable))
     return out
@@ -423,7 +423,7 @@ def _params_sharded_on(modules: ModuleBackend, layer: Any, dp: str) -> dict[str,
     out, any_sharded = {}, False
     for name, variable in modules.weights(layer).items():
         layout = modules.variable_layout(variable)
-        if layout is None or not getattr(variable, "trainable", False):
+        if layout is None or not modules.is_trainable(variable):
             continue
         specs = list(layout.sharding_specs)
         d = specs.index(dp) if dp in specs else None

@@ -214,6 +214,10 @@ class KerasModules:
     def all_weights(self, module: Any) -> list[Any]:
         return list(module.weights)
 
+    def frozen_weights(self, module: Any) -> list[Any]:
+        return [v for _, layer in self.named_layers(module)
+                if not isinstance(layer, Pending) and layer.trainable is False for v in layer.weights]
+
     def optimizer_scalars(self, optimizer: Any) -> dict[str, Any]:
         out = {"iterations": optimizer.iterations}
         lr = getattr(optimizer, "_learning_rate", None)  # a variable, or a schedule called with the step
@@ -243,6 +247,9 @@ class KerasModules:
                 _variables.to_dvariable(variable, layout_fn(len(variable.shape)))
         else:
             _registry.module(layer).weight_layouts[name] = layout_fn
+
+    def is_trainable(self, variable: Any) -> bool:
+        return bool(variable.trainable)
 
     def check_layout(self, variable: Any, layout: dtensor.Layout) -> None:
         _variables.check_divisible(variable, layout)

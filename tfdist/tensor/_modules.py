@@ -115,12 +115,18 @@ class ModuleBackend(Protocol):
     def all_weights(self, module: Any) -> list[Any]:
         """The weights of the module and all its sublayers (no random-generator state, no metrics)."""
 
+    def frozen_weights(self, module: Any) -> list[Any]:
+        """The weights of frozen sublayers (torch's parameters with ``requires_grad=False``)."""
+
     def optimizer_scalars(self, optimizer: Any) -> dict[str, Any]:
         """The optimizer's own state variables a checkpoint keeps beside its slots: the step count
         (``"iterations"``) and, where it is a variable, ``"learning_rate"``."""
 
     def set_weight_layout(self, layer: Any, name: str, layout_fn: Callable[[int], dtensor.Layout]) -> None:
         """Lays out a weight now (built) or when it is created (unbuilt)."""
+
+    def is_trainable(self, variable: Any) -> bool:
+        """True for a weight the optimizer updates (FSDP shards only those)."""
 
     def check_layout(self, variable: Any, layout: dtensor.Layout) -> None:
         """Raises ValueError when ``variable`` cannot take ``layout``."""
