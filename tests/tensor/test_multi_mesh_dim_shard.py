@@ -143,3 +143,27 @@ def test_local_map_refuses_nested_shards_clearly():
     fn = local_map(lambda t: t * 2, out_placements=[Shard(0), Shard(0)], device_mesh=mesh)
     with pytest.raises(ValueError, match="at most one mesh dim"):
         fn(d)
+
+
+def test_nested_shards_move_eagerly_without_tfdist_keras(tmp_path):
+    """The local gather of a nested redistribute reads its row index as a DTensor when eager
+    (before: it relied on tfdist.keras' host-tensor rows, and failed in a process without them)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "nested.py"
+    script.write_text(
+        "import sys, numpy as np\n"
+        "import tfdist\n"
+        "tfdist.virtual_cpus(8)\n"
+        "from tfdist.tensor import distribute_tensor, Shard, Replicate\n"
+        "mesh = tfdist.init_device_mesh('cpu', (2, 4), mesh_dim_names=('dp', 'tp'))\n"
+        "x = np.arange(10 * 6, dtype=np.float32).reshape(10, 6)\n"
+        "d = distribute_tensor(x, mesh, [Shard(0), Shard(0)])\n"
+        "e = d.redistribute(mesh, [Shard(1), Replicate()]).redistribute(mesh, [Shard(0), Shard(0)])\n"
+        "assert np.array_equal(e.full_tensor().numpy(), x)\n"
+        "assert 'tfdist.keras' not in sys.modules, 'the test needs a process without tfdist.keras'\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

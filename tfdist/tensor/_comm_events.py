@@ -1,7 +1,7 @@
 """How tfdist tells CommDebugMode which logical collective a TF kernel serves.
 
 TF runs tfdist's reduce-scatter (Partial -> Shard) as an all-to-all kernel
-(see ``_redistribute._Program.reduce_scatter``).  To count it under torch's
+(see ``_redistribute._program.Program.reduce_scatter``).  To count it under torch's
 name ``reduce_scatter_tensor``:
 
 - inside ``tf.function`` the all-to-all's relayout is built under a name
