@@ -2,7 +2,7 @@
 
 tfdist never writes attributes of its own onto Keras or TensorFlow objects
 (layers, models, variables, optimizers): what one package decides about a
-module (its mesh and distribution, its batch dim, loss parallelism, its FSDP
+module (its mesh and distribution, its batch dim, its FSDP
 state, the layouts its weights get) and another package reads later lives
 in a record here, keyed by the object's identity and dropped when the object
 is collected.  Objects tfdist owns keep their own fields.
@@ -10,9 +10,9 @@ is collected.  Objects tfdist owns keep their own fields.
 Example::
 
     from tfdist import _registry
-    _registry.module(model).loss_parallel = True      # tensor/parallel/api.py
+    _registry.module(model).batch_dim = "batch"       # keras/_modules.py
     state = _registry.module_if_any(model)            # keras/_trainer.py
-    sharded = state is not None and state.loss_parallel
+    batch = state.batch_dim if state is not None else None
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ class ModuleState:
 
     distribution: Any = None  # the module's own keras distribution (keras/_modules._own_distribution)
     batch_dim: str | None = None  # the mesh dim its batch is split over
-    loss_parallel: bool = False  # its logits stay vocabulary-sharded into the loss
     scoped_methods: set[str] = dataclasses.field(default_factory=set)  # methods run under `distribution`
     base_call: Callable[..., Any] | None = None  # the innermost call under tfdist's hooks
     call_replaced: bool = False  # a parallel style replaced its computation

@@ -194,9 +194,6 @@ def test_fit_computes_the_loss_on_sharded_logits_without_a_loss_parallel_block()
     want = train(ref)
     mesh = tfdist.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
     model = parallelize_gpt(make(), mesh)
-    from tfdist import _registry
-
-    assert _registry.module(model).loss_parallel  # fit will trace its loss inside loss_parallel()
     got = train(model)
     np.testing.assert_allclose(got, want, rtol=1e-5)
     assert max_weight_diff(ref, model) < 1e-5
@@ -245,3 +242,35 @@ def test_plain_targets_eagerly_and_in_tf_function(target):
         argument = tf.function(lambda y, lg: loss_fn(y, lg))(tf.constant(LABELS), logits)
     for got in (eager, captured, argument):
         np.testing.assert_allclose(gather_to_numpy(got), want, rtol=1e-12)
+
+
+def test_a_layout_map_with_class_sharded_float64_logits_trains_like_one_device(float64, no_global_distribution):
+    """No plan marks these logits: a LayoutMap shards the head's kernel on the class dim, so
+    only TF DTensor's layout propagation knows the logits are class-sharded.  fit computes every
+    distributed model's sparse cross-entropy inside loss_parallel() (before: TF DTensor's own
+    kernel gave a loss of 0 on float64 class-sharded logits, and the weights moved wrongly)."""
+    from keras_helpers import max_weight_diff
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(32, 12)), rng.integers(0, 16, (32,))
+
+    def train():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(24, activation="tanh", name="hidden"),
+                                  keras.layers.Dense(16, name="head")])
+        model.compile(optimizer=keras.optimizers.SGD(0.5),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        losses = model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0).history["loss"]
+        return model, losses
+
+    ref, want = train()
+    mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["head/kernel"] = (None, "model")
+    layout_map["head/bias"] = ("model",)
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map,
+                                                                         batch_dim_name="batch"))
+    model, got = train()
+    assert model.get_layer("head").kernel.dtype == "float64"
+    np.testing.assert_allclose(got, want, rtol=1e-10)
+    assert max_weight_diff(ref, model) < 1e-10

@@ -14,7 +14,6 @@ unchanged.
 from __future__ import annotations
 
 import contextlib
-import functools
 import re
 import warnings
 import weakref
@@ -33,12 +32,6 @@ from tfdist.tensor.parallel.loss import loss_parallel
 from tfdist.tensor.parallel.style import replicated_batch
 
 __all__ = ["install", "mesh_of", "check_layout_map", "is_distributed"]
-
-
-def _loss_parallel_model(model) -> bool:
-    """parallelize_module left the model's logits class-sharded for ``loss_parallel()``."""
-    own = _registry.module_if_any(model)
-    return own is not None and own.loss_parallel
 
 
 def distribution_of(model):
@@ -143,10 +136,9 @@ def _explain_stranded(model, function):
 
 
 def _loss_parallel(function):
-    """``function`` run inside ``loss_parallel()``, for models whose plan leaves class-sharded
-    logits for it (``gpt_tp_plan``'s default): their sparse cross-entropy then never gathers
-    the logits; other losses are untouched.  For ``run_eagerly``, where every call computes
-    the loss anew; traced steps enter it only while tracing (``_through_concrete``)."""
+    """``function`` run inside ``loss_parallel()``: a distributed model's sparse cross-entropy is
+    always the class-shard-friendly form (``_tracing_scope``).  For ``run_eagerly``, where every
+    call computes the loss anew; traced steps enter it only while tracing (``_through_concrete``)."""
 
     def run(*args):
         with loss_parallel():
@@ -234,14 +226,23 @@ def _through_concrete(function, tracing=contextlib.nullcontext):
 
 
 @contextlib.contextmanager
-def _tracing_scope(sharded_logits: bool):
+def _tracing_scope():
     """What a distributed step program is traced inside: Keras' mean loss reduction as one
-    mean, and ``loss_parallel`` for a model whose plan leaves class-sharded logits."""
-    with mean_loss_reduction(), (loss_parallel() if sharded_logits else contextlib.nullcontext()):
+    mean, and ``loss_parallel()``: on a mesh, sparse cross-entropy is always computed in the form
+    that reduces a sharded class dim without gathering it.
+
+    One rule for every model, because whether the logits' class dim is sharded is decided by
+    TF DTensor's layout propagation after tracing (a layout map's tied embedding, a plan's
+    head), and TF DTensor's own kernel is wrong on float64 class-sharded logits: its one-hot
+    of the labels is built with ``GetFPConstOfType``, a float attribute of the logits' element
+    type (``softmax_spmd_expander.cc``), and the loss comes out 0
+    (docs/tf_dtensor_repros/float64_sparse_ce_on_class_sharded_logits.py).  On replicated
+    logits the two forms compute the same values."""
+    with mean_loss_reduction(), loss_parallel():
         yield
 
 
-def _by_batch_split(step_function, run_eagerly: bool, mesh, batch_axis, sharded_logits: bool = False):
+def _by_batch_split(step_function, run_eagerly: bool, mesh, batch_axis):
     """``step_function`` on sharded batches; a batch that does not split evenly over the
     data-parallel dim runs replicated (``replicated_batch``) in its own traced function.
 
@@ -253,9 +254,9 @@ def _by_batch_split(step_function, run_eagerly: bool, mesh, batch_axis, sharded_
     traced = (step_function if run_eagerly else tf.function(step_function, reduce_retracing=True),
               step_function if run_eagerly else tf.function(step_function))
     if run_eagerly:
-        even, partial = (_loss_parallel(f) for f in traced) if sharded_logits else traced
+        even, partial = (_loss_parallel(f) for f in traced)
     else:
-        even, partial = (_through_concrete(f, functools.partial(_tracing_scope, sharded_logits)) for f in traced)
+        even, partial = (_through_concrete(f, _tracing_scope) for f in traced)
 
     def step(data, splits_evenly=None):
         """One step on ``data``: host batches, or batches ``BatchFeed`` placed (then pass
@@ -284,8 +285,7 @@ def install() -> None:
             return _explain_stranded(self, original_make(self, step_function))
         check_layout_map(self)
         mesh, batch_axis = mesh_of(self)
-        one_step = _by_batch_split(step_function, self.run_eagerly, mesh, batch_axis,
-                                   sharded_logits=_loss_parallel_model(self))
+        one_step = _by_batch_split(step_function, self.run_eagerly, mesh, batch_axis)
         feeds = {}  # the feed of the epoch iterator Keras passes (one, reused while Keras reuses it)
 
         def function(iterator):

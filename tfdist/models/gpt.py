@@ -88,9 +88,9 @@ def gpt_tp_plan(*, sequence_parallel: bool = False, loss_parallel: bool = True) 
     all-gathers the sequence once at its input and its row-parallel
     projection reduce-scatters back onto the sequence -- no all-reduce.
     ``loss_parallel`` (the default) leaves the logits sharded on the vocabulary
-    (``Shard(-1)``) and marks the model so that Keras ``fit``/``evaluate`` on
-    tfdist compute its loss inside ``loss_parallel()``: a sparse cross-entropy
-    that never gathers the logits, exact.  In a loop of your own, compute the
+    (``Shard(-1)``); Keras ``fit``/``evaluate`` on tfdist compute every
+    distributed model's sparse cross-entropy inside ``loss_parallel()``, which
+    never gathers the logits, exact.  In a loop of your own, compute the
     loss inside ``with loss_parallel():`` too -- TF DTensor's own kernel is right
     on float32 but returns 0 on float64 class-sharded logits
     (docs/tf_dtensor_repros/float64_sparse_ce_on_class_sharded_logits.py).
@@ -106,7 +106,7 @@ def gpt_tp_plan(*, sequence_parallel: bool = False, loss_parallel: bool = True) 
             "blocks.*.attn.output": RowwiseParallel(),
             "blocks.*.mlp.up": ColwiseParallel(),
             "blocks.*.mlp.down": RowwiseParallel(),
-            "head": _head(ColwiseParallel(output_layouts=Shard(-1) if loss_parallel else Replicate()), loss_parallel),
+            "head": ColwiseParallel(output_layouts=Shard(-1) if loss_parallel else Replicate()),
         }
     return {
         "tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
@@ -123,18 +123,8 @@ def gpt_tp_plan(*, sequence_parallel: bool = False, loss_parallel: bool = True) 
         "blocks.*.mlp.up": ColwiseParallel(input_layouts=Shard(1)),
         "blocks.*.mlp.down": RowwiseParallel(output_layouts=Shard(1)),
         "ln_f": SequenceParallel(),
-        "head": _head(
-            ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate()),
-            loss_parallel,
-        ),
+        "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate()),
     }
-
-
-def _head(style: ColwiseParallel, loss_parallel: bool) -> ColwiseParallel:
-    """The head's style; with ``loss_parallel`` it marks its logits as meant for ``loss_parallel()``,
-    so that ``parallelize_module`` tells Keras ``fit`` to compute the loss inside it."""
-    style.logits_for_loss_parallel = loss_parallel
-    return style
 
 
 def parallelize_gpt(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from tfdist import _registry
 from tfdist.device_mesh import DeviceMesh, resolve_mesh
 from tfdist.tensor._modules import Pending, module_backend, replicate_unplaced
 from tfdist.tensor.parallel._plan import match_plan
@@ -93,9 +92,5 @@ def parallelize_module(
         else:
             style._apply(layer, ctx)
     replicate_unplaced(modules, module, mesh)
-    if any(style.logits_for_loss_parallel for style in plan.values()):
-        # the plan leaves class-sharded logits for loss_parallel(): Keras fit/evaluate on tfdist
-        # then compute the model's loss inside it (tfdist/keras/_trainer.py)
-        _registry.module(module).loss_parallel = True
     return module
 

@@ -196,11 +196,6 @@ def _check_no_partial(name: str, placements: tuple[Placement, ...]) -> None:
 class ParallelStyle:
     """Base class: a style lays out one layer for tensor parallelism."""
 
-    #: True on the style of the layer whose class-sharded output the loss reads: ``parallelize_module``
-    #: then records the model as loss-parallel, and Keras ``fit``/``evaluate`` on tfdist compute its
-    #: loss inside ``loss_parallel()`` (``tfdist.models.gpt_tp_plan(loss_parallel=True)`` sets it).
-    logits_for_loss_parallel: bool = False
-
     def _weights(self, layer: Any, ctx: _Context) -> dict[str, list[Placement]]:
         """Weight name -> placements on the TP mesh; raises for unsupported layers."""
         return {}
