@@ -170,3 +170,26 @@ def test_redistribute_logging(monkeypatch, caplog):
     finally:
         _redistribute.logger.setLevel(logging.NOTSET)
     assert "dp: S(0) -> R (all_gather); tp: S(1) -> S(0) (all_to_all)" in caplog.text
+
+
+@pytest.mark.parametrize("source", [("tp", "dp"), ("dp", "tp"), ("tp", None), (None, "dp")])
+@pytest.mark.parametrize("target", [(None, None), ("tp", None), (None, "tp")])
+def test_relayout_traced_gathers_one_mesh_dim_at_a_time(source, target):
+    """Inside tf.function the source layout is TF DTensor's to decide; TF's own relayout of
+    (tp, dp) on a (dp, tp) mesh to replicated returns wrong values under the gather lowering
+    (docs/tf_dtensor_repros/all_gather_two_mesh_dims.py).  relayout_traced stages it."""
+    from tensorflow.experimental import dtensor
+
+    from tfdist.tensor._redistribute import relayout, relayout_traced
+
+    mesh = MESHES[(2, 4)].to_tf()
+    U = dtensor.UNSHARDED
+    value = np.arange(8 * 12, dtype=np.float32).reshape(8, 12)
+    specs = lambda names: [n or U for n in names]  # noqa: E731
+    x = relayout(dtensor.copy_to_mesh(tf.constant(value), dtensor.Layout.replicated(mesh, 2)),
+                 dtensor.Layout(specs(source), mesh))
+    target_layout = dtensor.Layout(specs(target), mesh)
+    y = tf.function(lambda t: relayout_traced(t * 1.0, target_layout))(x)
+    assert dtensor.fetch_layout(y) == target_layout
+    full = relayout(y, dtensor.Layout.replicated(mesh, 2))
+    np.testing.assert_array_equal(dtensor.unpack(full)[0].numpy(), value)

@@ -31,7 +31,7 @@ from tfdist.fsdp import FSDPStyle
 from tfdist.keras._backend import _as_tf_layout, distribute_tensor, new_dvariable, tfdist_mesh
 from tfdist.keras._data import gather_to_numpy
 from tfdist.tensor._modules import module_backend
-from tfdist.tensor._redistribute import relayout
+from tfdist.tensor._redistribute import relayout, relayout_traced
 
 __all__ = [
     "is_dtensor_variable",
@@ -94,6 +94,8 @@ def write(dvariable: dtensor.DVariable, value: tf.Tensor) -> tf.Tensor:
         value = distribute_tensor(value, layout_of(dvariable))
     elif tf.executing_eagerly() and dtensor.fetch_layout(value) != layout_of(dvariable):
         value = relayout(value, layout_of(dvariable))  # e.g. a full value written to a sharded variable
+    elif not tf.executing_eagerly():
+        value = relayout_traced(value, layout_of(dvariable))  # the gather TF would insert, made safe
     dvariable.assign(value)
     record_write(dvariable, value)
     return value

@@ -32,9 +32,9 @@ where padding and slicing are local.
 """
 
 from tfdist.tensor._redistribute._execute import logger, redistribute_physical, run
-from tfdist.tensor._redistribute._moves import reduce_scatter_move, relayout
+from tfdist.tensor._redistribute._moves import reduce_scatter_move, relayout, relayout_traced
 from tfdist.tensor._redistribute._plan import check_transition, plan, plan_redistribute
 from tfdist.tensor._redistribute._steps import Plan, TransformStep
 
 __all__ = ["TransformStep", "Plan", "plan", "run", "plan_redistribute", "redistribute_physical", "relayout",
-           "check_transition", "reduce_scatter_move", "logger"]
+           "relayout_traced", "check_transition", "reduce_scatter_move", "logger"]

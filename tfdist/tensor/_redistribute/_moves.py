@@ -16,7 +16,7 @@ from tensorflow.experimental import dtensor
 
 from tfdist.tensor import _comm_events
 
-__all__ = ["REDUCERS", "move_mesh_dim", "as_reduce_scatter", "reduce_scatter_move", "relayout"]
+__all__ = ["REDUCERS", "move_mesh_dim", "as_reduce_scatter", "reduce_scatter_move", "relayout", "relayout_traced"]
 
 REDUCERS = {
     "sum": tf.math.reduce_sum,
@@ -106,3 +106,27 @@ def relayout(x: tf.Tensor, layout: dtensor.Layout, source: dtensor.Layout | None
             specs[d] = dtensor.UNSHARDED
             x = dtensor.relayout(x, dtensor.Layout(list(specs), source.mesh))
     return dtensor.relayout(x, layout)
+
+
+def relayout_traced(x: tf.Tensor, layout: dtensor.Layout) -> tf.Tensor:
+    """``dtensor.relayout`` of a traced rank-2 tensor whose layout TF DTensor decides only after
+    tracing, gathering one mesh dim at a time.
+
+    With the CollectiveGatherV2 lowering on, TF DTensor 2.21 computes wrong values for a relayout
+    that gathers two mesh dims at once when they shard the tensor in the reverse of the mesh's
+    order ((model, batch) on a (batch, model) mesh; docs/tf_dtensor_repros/all_gather_two_mesh_dims.py),
+    and it inserts such relayouts itself where a value meets a variable of another layout (an
+    optimizer's replicated factored moments of a (model, batch, None) kernel).  A dim ``layout``
+    keeps whole is unsharded in a relayout of its own first, the other dim kept as it is (TF's
+    "match" spec), so neither relayout gathers more than one mesh dim; where that dim is whole
+    already the step is an identity.  TF accepts one "match" per layout ("Attempted to shard two
+    or more tensor dimensions over mesh dimension match", tensor_layout.cc), which stages rank 2
+    only; other ranks get the plain relayout.
+    """
+    specs = list(layout.sharding_specs)
+    if len(specs) != 2 or dtensor.UNSHARDED not in specs:
+        return dtensor.relayout(x, layout)
+    whole = specs.index(dtensor.UNSHARDED)
+    step = [dtensor.MATCH, dtensor.MATCH]
+    step[whole] = dtensor.UNSHARDED  # gathers what shards that dim, keeps the other's
+    return dtensor.relayout(dtensor.relayout(x, dtensor.Layout(step, layout.mesh)), layout)
