@@ -9,7 +9,7 @@ In a sweep over rank-4 shapes on a 2x4 mesh (see docs/design.md) every wrong
 case moved a mesh dim between two tensor dims that are both not dim 0; moves
 to or from dim 0 were always right, and rank <= 3 was always right.  tfdist
 therefore transposes the two dims to the front, moves, and transposes back
-(tfdist/tensor/_redistribute.py, ``_all_to_all``).  Exit status 1 when the
+(tfdist/tensor/_redistribute/_moves.py, ``move_mesh_dim``).  Exit status 1 when the
 bug reproduces.
 """
 

@@ -10,7 +10,7 @@ prints the collective nodes of the per-device program TF executed. The
 obvious fix, carrying byte pairs as int16 with a size-changing ``tf.bitcast``,
 fails in TF DTensor's layout propagation ("Rank for output 0 layout is 3
 but actual rank is 2"), so tfdist packs the pairs arithmetically
-(tfdist/tensor/_redistribute.py, ``_gather_byte_pairs``).
+(tfdist/tensor/_redistribute/_byte_gather.py, ``_gather_byte_pairs``).
 
 Exit status 1 when both behaviours reproduce.
 """
