@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -26,7 +25,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfdist.device_mesh import DeviceMesh
-from tfdist.tensor._modules import LayerKind, Pending, register_module_backend
+from tfdist.tensor._modules import LayerKind, Pending, register_module_backend, with_hooks
 
 # (id(param) -> tensor) while a backend ``read_as`` block runs (this thread / task)
 _READS: contextvars.ContextVar[dict[int, tf.Tensor]] = contextvars.ContextVar("tfmodule_reads", default={})
@@ -194,16 +193,7 @@ class TFModuleBackend:
         raise TypeError("tfmodule layers make their params in __init__: nothing is pending")
 
     def wrap_call(self, layer: Layer, before: Callable | None, after: Callable | None) -> None:
-        original = layer.call
-
-        @functools.wraps(original)
-        def call(*args, **kwargs):
-            if before is not None:
-                args, kwargs = before(args, kwargs)
-            outputs = original(*args, **kwargs)
-            return after(outputs) if after is not None else outputs
-
-        layer.call = call
+        layer.call = with_hooks(layer.call, before, after)
 
     def replace_call(self, layer: Layer, call: Callable[..., Any]) -> None:
         original = layer.call

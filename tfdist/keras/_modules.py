@@ -24,7 +24,7 @@ from tfdist.device_mesh import DeviceMesh
 from tfdist.keras import _variables
 from tfdist.keras._backend import tfdist_mesh
 from tfdist.keras._distribution import MeshDistribution
-from tfdist.tensor._modules import LayerKind, Pending, register_module_backend
+from tfdist.tensor._modules import LayerKind, Pending, register_module_backend, with_hooks
 from tfdist.tensor.parallel.style import replicated_batch
 
 __all__ = ["KerasModules"]
@@ -296,16 +296,7 @@ class KerasModules:
 
     def wrap_call(self, layer: Any, before: Callable | None, after: Callable | None) -> None:
         _ensure_base_call(layer)
-        original = layer.call
-
-        @functools.wraps(original)
-        def call(*args, **kwargs):
-            if before is not None:
-                args, kwargs = before(args, kwargs)
-            outputs = original(*args, **kwargs)
-            return after(outputs) if after is not None else outputs
-
-        layer.call = call  # this instance only
+        layer.call = with_hooks(layer.call, before, after)  # this instance only
 
     def replace_call(self, layer: Any, call: Callable[..., Any]) -> None:
         _ensure_base_call(layer)

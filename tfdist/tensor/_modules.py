@@ -16,6 +16,7 @@ loads its own backends by name), which keeps ``import tfdist`` free of Keras.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import sys
 from contextlib import AbstractContextManager
@@ -27,7 +28,7 @@ from tfdist.device_mesh import DeviceMesh
 
 __all__ = [
     "LayerKind", "Pending", "ModuleBackend", "register_module_backend", "module_backend", "loaded_backends",
-    "replicate_unplaced",
+    "replicate_unplaced", "with_hooks",
 ]
 
 # framework package -> the module that registers tfdist's backend for it
@@ -172,6 +173,20 @@ class ModuleBackend(Protocol):
 
     def attention_scope(self, relayout_qkv: Callable[[Any, Any, Any], tuple]) -> AbstractContextManager:
         """Within it (this thread), attention layers relayout query/key/value first."""
+
+
+def with_hooks(call: Callable[..., Any], before: Callable | None, after: Callable | None) -> Callable[..., Any]:
+    """``call`` with ``before(args, kwargs) -> (args, kwargs)`` and ``after(outputs)`` around it: what a
+    backend's ``wrap_call`` puts on a layer."""
+
+    @functools.wraps(call)
+    def wrapped(*args, **kwargs):
+        if before is not None:
+            args, kwargs = before(args, kwargs)
+        outputs = call(*args, **kwargs)
+        return after(outputs) if after is not None else outputs
+
+    return wrapped
 
 
 def register_module_backend(package: str, backend: ModuleBackend) -> None:

@@ -31,12 +31,6 @@ def physical_start(spec: DTensorSpec, d: int) -> int:
     return len(spec.partial_mesh_dims) + sum(spec.physical_dims(i) for i in range(d))
 
 
-def _gather_pieces(ops: list[Op], axis: int, index, specs: list[str]) -> None:
-    """Ops of a local gather per outer piece: ``x`` holds ``[k1, rows]`` at ``axis``; one zero row is
-    appended to ``axis + 1`` (the pad slot) and each piece picks its rows."""
-    ops.append(GatherPieces(axis, index, tuple(specs)))
-
-
 def collapse(src: DTensorSpec, dst: DTensorSpec, itemsize: int) -> tuple[DTensorSpec, list[TransformStep], list[Op]]:
     """Dims sharded over several mesh dims -> sharded on the outermost one only.
 
@@ -66,7 +60,7 @@ def collapse(src: DTensorSpec, dst: DTensorSpec, itemsize: int) -> tuple[DTensor
         start, width = physical_start(src, d), src.physical_dims(d)
         specs[start:start + width] = [specs[start], U]
         ops.append(Merge(start + 1, width - 1, tuple(specs)))
-        _gather_pieces(ops, start, src.piece_indices(d)[1], specs)
+        ops.append(GatherPieces(start, src.piece_indices(d)[1], tuple(specs)))
         specs[start:start + 2] = [specs[start]]
         ops.append(Merge(start, 2, tuple(specs)))
     ops.append(Relayout(tuple(new.tf_layout.sharding_specs)))
@@ -106,7 +100,7 @@ def expand(inner: DTensorSpec, dst: DTensorSpec, itemsize: int) -> tuple[list[Tr
         leaves = [dst.root_shape[m] for m in group[1:]] + [dst.leaf_size(d)]
         split = specs[:start + 1] + [U] + specs[start + 1:]
         ops.append(Split(start, (k1, -1), tuple(split)))
-        _gather_pieces(ops, start, dst.piece_indices(d)[0], split)
+        ops.append(GatherPieces(start, dst.piece_indices(d)[0], tuple(split)))
         specs[start + 1:start + 1] = [U] * len(leaves)
         ops.append(Split(start + 1, tuple(leaves), tuple(specs)))
         sizes[start:start + 1] = [k1] + leaves
