@@ -41,9 +41,10 @@ class ModuleState:
 
 @dataclasses.dataclass
 class VariableState:
-    """A variable created before its values exist (stateless build): the layout it gets when initialised."""
+    """What tfdist knows of one variable."""
 
-    layout_fn: Callable[[int], Any] | None = None
+    layout_fn: Callable[[int], Any] | None = None  # created before its values exist: its layout then
+    logical_shape: tuple[int, ...] | None = None  # a DVariable stored padded: the shape Keras sees
 
 
 @dataclasses.dataclass

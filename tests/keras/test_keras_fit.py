@@ -179,26 +179,68 @@ def test_layout_map_key_matching_nothing_is_a_warning_and_strict_makes_it_an_err
         tfdist.keras.LayoutMap(mesh, strict="yes")
 
 
-def test_uneven_variable_dim_is_kept_whole_with_a_warning_and_trains_like_one_device():
-    def make():
-        keras.utils.set_random_seed(0)
-        return compile_(keras.Sequential([keras.Input((16,)), keras.layers.Dense(6, name="odd"),
-                                          keras.layers.Dense(8, name="down")]))
+def _uneven_model():
+    keras.utils.set_random_seed(0)
+    return compile_(keras.Sequential([keras.Input((16,)), keras.layers.Dense(6, name="odd"),
+                                      keras.layers.Dense(8, name="down")]))
 
-    ref = make()
-    ref.fit(X, Y, batch_size=16, epochs=2, verbose=0, shuffle=False)
-    mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"])
+
+def _uneven_distribution(mesh_shape=(2, 4)):
+    mesh = keras.distribution.DeviceMesh(mesh_shape, ["batch", "model"])
     layout_map = keras.distribution.LayoutMap(mesh)
     layout_map[".*odd/kernel"] = (None, "model")  # 6 columns over 4 devices: uneven (JAX pads)
+    layout_map[".*odd/bias"] = ("model",)
     layout_map[".*down/kernel"] = ("model", None)  # 6 rows over 4 devices
-    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map,
-                                                                         batch_dim_name="batch"))
-    with pytest.warns(UserWarning, match=r"'sequential.*/odd/kernel' has shape \(16, 6\); dim 1 \(6\) does "
-                                         r"not split evenly over mesh dim 'model' of size 4"):
-        model = make()
-    assert model.layers[0].kernel._value.layout.sharding_specs == [dtensor.UNSHARDED, dtensor.UNSHARDED]
+    return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+
+
+def test_uneven_variable_dim_is_stored_padded_and_trains_like_one_device(tmp_path):
+    ref = _uneven_model()
+    ref.fit(X, Y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+    keras.distribution.set_distribution(_uneven_distribution())
+    model = _uneven_model()
+    kernel = model.get_layer("odd").kernel
+    # stored as torch.chunk splits 6 over 4 (2, 2, 2, 0) padded to 8: two columns per device
+    assert tuple(kernel._value.shape) == (16, 8) and tuple(kernel.shape) == (16, 6)
+    assert _variables.layout_of(kernel._value).sharding_specs == [dtensor.UNSHARDED, "model"]
+    assert [tuple(t.shape) for t in dtensor.unpack(kernel._value.read_value())] == [(16, 2)] * 8
     model.fit(X, Y, batch_size=16, epochs=2, verbose=0, shuffle=False)
     assert max_weight_diff(ref, model) < 1e-5
+    assert [w.shape for w in model.get_weights()] == [w.shape for w in ref.get_weights()]
+    np.testing.assert_allclose(model.predict(X, verbose=0, batch_size=16), ref.predict(X, verbose=0), atol=1e-5)
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(model(X[:16])), ref(X[:16]), atol=1e-5)
+    # the padding stays zero: in the weights and in Adam's moments (a padded slot of a padded weight)
+    stored = dtensor.relayout(kernel._value.read_value(), dtensor.Layout.replicated(kernel._value.layout.mesh, 2))
+    np.testing.assert_array_equal(dtensor.unpack(stored)[0].numpy()[:, 6:], 0)
+    moments = [v for v in model.optimizer.variables if "odd_kernel" in v.path]
+    assert moments and all(tuple(v._value.shape) == (16, 8) and tuple(v.shape) == (16, 6) for v in moments)
+    # weights files and assign take and give Keras' shape
+    model.save_weights(str(tmp_path / "w.weights.h5"))
+    keras.distribution.set_distribution(None)
+    one = _uneven_model()
+    one.load_weights(str(tmp_path / "w.weights.h5"))
+    assert max_weight_diff(ref, one) < 1e-5
+    keras.distribution.set_distribution(_uneven_distribution((4, 2)))  # 6 over 2: even; rows 6 over 2
+    back = _uneven_model()
+    back.load_weights(str(tmp_path / "w.weights.h5"))
+    assert max_weight_diff(ref, back) < 1e-5
+    kernel.assign(np.ones((16, 6), "float32"))
+    np.testing.assert_array_equal(kernel.numpy(), 1)
+
+
+def test_uneven_variable_resumes_from_a_distributed_checkpoint_on_another_mesh(tmp_path):
+    ref = _uneven_model()
+    ref.fit(X, Y, batch_size=16, epochs=4, verbose=0, shuffle=False)
+    keras.distribution.set_distribution(_uneven_distribution())
+    model = _uneven_model()
+    model.fit(X, Y, batch_size=16, epochs=2, verbose=0, shuffle=False,
+              callbacks=[tfdist.keras.DistributedCheckpoint(str(tmp_path))])
+    keras.distribution.set_distribution(_uneven_distribution((1, 8)))  # 6 over 8: padded to 8 rows/columns
+    resumed = _uneven_model()
+    resumed.fit(X, Y, batch_size=16, epochs=4, verbose=0, shuffle=False,
+                callbacks=[tfdist.keras.DistributedCheckpoint(str(tmp_path))])
+    assert tuple(resumed.get_layer("odd").kernel._value.shape) == (16, 8)
+    assert max_weight_diff(ref, resumed) < 1e-5
 
 
 def test_tfdist_layout_map_takes_styles_placements_and_axes():

@@ -54,7 +54,7 @@ def _families():
     m = keras_hub.models
     return {
         "mistral": (m.MistralBackbone, m.MistralCausalLM, dict(num_query_heads=4, num_key_value_heads=2)),
-        # 2 key/value heads over a 4-way model dim: uneven, kept whole on that dim
+        # 2 key/value heads over a 4-way model dim: uneven, stored padded
         "llama": (m.LlamaBackbone, m.LlamaCausalLM, dict(num_query_heads=4, num_key_value_heads=2)),
         "qwen": (m.QwenBackbone, m.QwenCausalLM, dict(num_query_heads=4, num_key_value_heads=2)),
         "qwen2": (m.Qwen2Backbone, m.Qwen2CausalLM, dict(num_query_heads=4, num_key_value_heads=2)),
@@ -105,7 +105,7 @@ def _check_against_one_device(family: str, mesh_shape: tuple[int, int]) -> None:
     ref_predict, ref_eager = ref.predict(x, verbose=0), keras.ops.convert_to_numpy(ref.backbone(x))
     _distribute(family, mesh_shape)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # uneven dims kept whole: said once per variable
+        warnings.simplefilter("ignore", UserWarning)  # keys for layers a tiny config lacks
         lm, losses = _train(family)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
     for a, b in zip(ref.get_weights(), lm.get_weights()):

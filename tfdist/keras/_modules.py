@@ -252,7 +252,19 @@ class KerasModules:
         return bool(variable.trainable)
 
     def check_layout(self, variable: Any, layout: dtensor.Layout) -> None:
-        _variables.check_divisible(variable, layout)
+        # A parallel style shards the layer's activations like its weights; an uneven weight dim
+        # would make an uneven activation dim, which the styles' Keras calls do not carry. (A
+        # layout map's uneven variable is stored padded: _variables.make_dvariable.)
+        shape = tuple(variable.shape)
+        mesh_shape = dict(zip(layout.mesh.dim_names, layout.mesh.shape()))
+        for d, spec in enumerate(layout.sharding_specs):
+            if spec in mesh_shape and shape[d] % mesh_shape[spec]:
+                raise ValueError(
+                    f"variable '{variable.path}' has shape {shape}; dim {d} ({shape[d]}) "
+                    f"is not divisible by mesh dim {spec!r} of size {mesh_shape[spec]}. "
+                    "A parallel style needs even shards: choose a size divisible by the "
+                    "mesh dim, or give this layer a layout map entry (stored padded)."
+                )
 
     def place_variable(self, variable: Any, layout: dtensor.Layout) -> None:
         _variables.to_dvariable(variable, layout)
@@ -263,7 +275,7 @@ class KerasModules:
     def variable_layout(self, variable: Any) -> dtensor.Layout | None:
         if not _variables.is_dtensor_variable(variable):
             return None
-        return _variables.layout_of(variable._value)
+        return _variables.value_layout(variable._value)
 
     def stored_value(self, variable: Any) -> Any:
         inner = variable._value

@@ -16,6 +16,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 import tensorflow as tf
+from keras.src.optimizers import base_optimizer
 from tensorflow.experimental import dtensor
 
 from tfdist import _patches, _registry
@@ -23,6 +24,11 @@ from tfdist.keras import _variables
 from tfdist.optim.zero_redundancy_optimizer import sharded_slot_layout
 
 __all__ = ["install"]
+
+
+def _is_padded(variable) -> bool:
+    inner = getattr(variable, "_value", None)
+    return isinstance(inner, dtensor.DVariable) and _variables.logical_shape(inner) is not None
 
 
 def _dense(value):
@@ -81,10 +87,53 @@ def install() -> None:
         if not any(_variables.is_dtensor_variable(v) for v in trainable_variables):
             return original_update(self, grads, trainable_variables, learning_rate)
         grads = [_dense(g) for g in grads]
+        padded = [_is_padded(v) for v in trainable_variables]
+        if any(padded):  # Keras' backend-neutral loop: it updates Keras variables, read at their shape
+            base_optimizer.BaseOptimizer._backend_update_step(
+                self, [g for g, p in zip(grads, padded) if p],
+                [v for v, p in zip(trainable_variables, padded) if p], learning_rate)
+            grads = [g for g, p in zip(grads, padded) if not p]
+            trainable_variables = [v for v, p in zip(trainable_variables, padded) if not p]
         with _variables.variables_as_handles(trainable_variables):
             return original_update(self, grads, trainable_variables, learning_rate)
 
     _patches.install(opt + "_backend_update_step", _backend_update_step)
+
+    original_decay = _patches.original(opt + "_apply_weight_decay")
+
+    def _apply_weight_decay(self, variables):
+        variables = list(variables)
+        padded = [v for v in variables if _is_padded(v)]
+        if padded:  # TF's version decays `variable.value`, a tensor cut from the padded storage
+            base_optimizer.BaseOptimizer._apply_weight_decay(self, padded)
+        return original_decay(self, [v for v in variables if not _is_padded(v)])
+
+    _patches.install(opt + "_apply_weight_decay", _apply_weight_decay)
+
+    original_key = _patches.original(opt + "_var_key")
+
+    def _var_key(self, variable):
+        if isinstance(variable, keras.Variable) and isinstance(variable._value, dtensor.DVariable):
+            return variable._value._unique_id  # what TF's key is, also where `value` is a read
+        return original_key(self, variable)
+
+    _patches.install(opt + "_var_key", _var_key)
+
+    original_apply = _patches.original("keras.src.optimizers.base_optimizer:BaseOptimizer.apply")
+
+    def apply(self, grads, trainable_variables=None):
+        variables = trainable_variables if trainable_variables is not None else (
+            self._trainable_variables if self.built else None)
+        if variables is not None:
+            variables = list(variables)
+            if any(_is_padded(v) for v in variables):
+                # the gradient of padded storage has the padded shape: cut it to the variable's
+                grads = [None if g is None else _variables.unpad(v._value, _dense(g)) if _is_padded(v) else g
+                         for g, v in zip(grads, variables)]
+            trainable_variables = variables if trainable_variables is not None else None
+        return original_apply(self, grads, trainable_variables)
+
+    _patches.install("keras.src.optimizers.base_optimizer:BaseOptimizer.apply", apply)
 
     base = "keras.src.optimizers.base_optimizer:BaseOptimizer.build"
     original_build = _patches.original(base)

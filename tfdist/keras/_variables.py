@@ -17,7 +17,6 @@ the program then reads "the value it computed", which TF DTensor gets right.
 from __future__ import annotations
 
 import threading
-import warnings
 import weakref
 from typing import Any
 
@@ -73,11 +72,11 @@ def _graph_cache() -> dict[int, tf.Tensor] | None:
 
 
 def current_value(dvariable: dtensor.DVariable) -> tf.Tensor:
-    """The value of ``dvariable`` as this program last wrote it (or a fresh read)."""
+    """The value of ``dvariable`` as this program last wrote it (or a fresh read), at Keras' shape."""
     cache = _graph_cache()
     if cache is not None and id(dvariable) in cache:
-        return cache[id(dvariable)]
-    return dvariable.read_value()
+        return unpad(dvariable, cache[id(dvariable)])
+    return unpad(dvariable, dvariable.read_value())
 
 
 def record_write(dvariable: dtensor.DVariable, value: tf.Tensor) -> None:
@@ -87,8 +86,13 @@ def record_write(dvariable: dtensor.DVariable, value: tf.Tensor) -> None:
 
 
 def write(dvariable: dtensor.DVariable, value: tf.Tensor) -> tf.Tensor:
-    """Assigns and records, so later reads in the same graph see ``value``."""
+    """Assigns and records, so later reads in the same graph see ``value``.
+
+    ``value`` has Keras' shape; a padded DVariable gets it with zeros in its padding.
+    """
     value = tf.cast(tf.convert_to_tensor(value), dvariable.dtype)
+    if logical_shape(dvariable) is not None:
+        value = _pad_to(value, tuple(dvariable.shape), value_layout(dvariable))
     if tf.executing_eagerly() and not dtensor.is_dtensor(value):
         # a host value (load_weights, set_weights, assign(numpy)): lay it out first
         value = distribute_tensor(value, layout_of(dvariable))
@@ -111,7 +115,8 @@ class variables_as_handles:
     """
 
     def __init__(self, variables: Any) -> None:
-        self.ids = {id(v._value) for v in variables if is_dtensor_variable(v)}
+        self.ids = {id(v._value) for v in variables
+                    if is_dtensor_variable(v) and logical_shape(v._value) is None}
 
     def __enter__(self) -> None:
         self.saved = getattr(_state, "handles", frozenset())
@@ -193,35 +198,9 @@ def _pick_layout(variable: Any) -> dtensor.Layout | None:
             "is a full-match regex over variable paths: make it match only variables of that rank "
             "(e.g. '.*dense/kernel', not '.*' which also matches the biases), or give one axis per dim."
         )
-    tf_layout = _even_layout(variable, _as_tf_layout(layout))
+    tf_layout = _as_tf_layout(layout)
     _gather_where_used(tf_layout, distribution, layer)
     return tf_layout
-
-
-def _even_layout(variable: Any, layout: dtensor.Layout) -> dtensor.Layout:
-    """``layout`` with every dim the mesh cannot split evenly kept whole on that mesh dim.
-
-    JAX pads such a dim; a Keras variable on TF DTensor must have even shards
-    (a DVariable's shards are equal and its shape is Keras' shape), so a
-    layout map's uneven dim is stored replicated on that mesh dim. The
-    values are the same either way; the variable takes more memory, said in a
-    warning naming it.
-    """
-    mesh_shape = dict(zip(layout.mesh.dim_names, layout.mesh.shape()))
-    specs = list(layout.sharding_specs)
-    uneven = [d for d, spec in enumerate(specs)
-              if spec in mesh_shape and variable.shape[d] % mesh_shape[spec]]
-    if not uneven:
-        return layout
-    for d in uneven:
-        warnings.warn(
-            f"variable '{variable.path}' has shape {tuple(variable.shape)}; dim {d} "
-            f"({variable.shape[d]}) does not split evenly over mesh dim {specs[d]!r} of size "
-            f"{mesh_shape[specs[d]]}, so it is kept whole on that mesh dim (same values, more memory).",
-            UserWarning, stacklevel=2,
-        )
-        specs[d] = dtensor.UNSHARDED
-    return dtensor.Layout(specs, layout.mesh)
 
 
 def _gather_where_used(layout: dtensor.Layout, distribution: Any, layer: Any) -> None:
@@ -239,22 +218,78 @@ def _gather_where_used(layout: dtensor.Layout, distribution: Any, layer: Any) ->
     FSDPStyle().attach(module_backend(layer, "a layout map"), layer, tfdist_mesh(distribution.device_mesh)[batch])
 
 
-def check_divisible(variable: Any, layout: dtensor.Layout) -> None:
-    shape = tuple(variable.shape)
-    mesh_shape = dict(zip(layout.mesh.dim_names, layout.mesh.shape()))
-    for d, spec in enumerate(layout.sharding_specs):
-        if spec in mesh_shape and shape[d] % mesh_shape[spec]:
-            raise ValueError(
-                f"variable '{variable.path}' has shape {shape}; dim {d} ({shape[d]}) "
-                f"is not divisible by mesh dim {spec!r} of size {mesh_shape[spec]}. "
-                "Keras variables need even shards: choose a size divisible by the "
-                "mesh dim, or leave this variable replicated."
-            )
+# -- uneven dims: stored padded, seen at Keras' shape --------------------------------
+def padded_shape(shape: tuple[int, ...], layout: dtensor.Layout) -> tuple[int, ...]:
+    """``shape`` with every dim rounded up to a multiple of the mesh dim it is sharded over.
+
+    JAX pads an uneven dim; so does tfdist: a DVariable's shards must be equal,
+    so a Keras variable of shape (in, 10) laid out (None, "model") on a 4-way
+    model dim is stored as (in, 12) -- three columns per device, the last two
+    zero -- and every read gives Keras its (in, 10) (``torch.chunk``'s split,
+    as tfdist's uneven ``Shard`` stores it).
+    """
+    sizes = dict(zip(layout.mesh.dim_names, layout.mesh.shape()))
+    return tuple(-(-n // sizes[spec]) * sizes[spec] if spec in sizes else n
+                 for n, spec in zip(shape, layout.sharding_specs))
+
+
+def logical_shape(dvariable: Any) -> tuple[int, ...] | None:
+    """The shape Keras sees for a padded DVariable; None for one stored at its own shape."""
+    state = _registry.variable_if_any(dvariable)
+    return state.logical_shape if state is not None else None
+
+
+def unpad(dvariable: Any, value: Any, layout: dtensor.Layout | None = None) -> Any:
+    """``value`` (read from ``dvariable``, or its gradient) cut to the shape Keras sees.
+
+    In a traced program the cut is pinned to ``layout`` (default: the storage's,
+    the padded dims whole): TF DTensor's layout propagation would otherwise give
+    the cut the storage's sharding of the padded dim, which it cannot split
+    ("requires dimension 0 to be divisible by sharding specified in DTensorLayout").
+    """
+    shape = logical_shape(dvariable)
+    if shape is None or tuple(value.shape) == shape:
+        return value
+    cut = tf.slice(value, [0] * len(shape), shape)
+    if tf.executing_eagerly():
+        return cut
+    return relayout_traced(cut, layout or value_layout(dvariable))
+
+
+def value_layout(dvariable: dtensor.DVariable) -> dtensor.Layout:
+    """The layout of ``dvariable``'s value at Keras' shape: its own, with the padded dims whole."""
+    layout, shape = layout_of(dvariable), logical_shape(dvariable)
+    if shape is None:
+        return layout
+    specs = [spec if n == p else dtensor.UNSHARDED
+             for spec, n, p in zip(layout.sharding_specs, shape, dvariable.shape)]
+    return dtensor.Layout(specs, layout.mesh)
+
+
+def _pad_to(value: Any, shape: tuple[int, ...], layout: dtensor.Layout | None = None) -> Any:
+    """``value`` with zeros after its end up to ``shape``; in a traced program pinned to ``layout``
+    on both sides (TF DTensor pads only "with input layout same as op output layout")."""
+    value = tf.convert_to_tensor(value)
+    if tuple(value.shape) == tuple(shape):
+        return value
+    paddings = [[0, p - n] for p, n in zip(shape, value.shape)]
+    if layout is None or tf.executing_eagerly():
+        return tf.pad(value, paddings)
+    return dtensor.relayout(tf.pad(relayout_traced(value, layout), paddings), layout)
+
+
+def make_dvariable(value: Any, layout: dtensor.Layout, **kwargs: Any) -> dtensor.DVariable:
+    """A DVariable holding ``value`` on ``layout``, padded where a dim does not split evenly."""
+    shape = tuple(value.shape)
+    padded = padded_shape(shape, layout)
+    dvariable = new_dvariable(_pad_to(value, padded), layout, **kwargs)
+    if padded != shape:
+        _registry.variable(dvariable).logical_shape = shape
+    return dvariable
 
 
 def to_dvariable(variable: Any, layout: dtensor.Layout) -> None:
     """Moves an existing Keras variable onto ``layout`` (in place)."""
-    check_divisible(variable, layout)
     old = variable._value
     value = old.read_value() if isinstance(old, tf.Variable) else tf.convert_to_tensor(old)
     if isinstance(old, dtensor.DVariable):
@@ -262,8 +297,8 @@ def to_dvariable(variable: Any, layout: dtensor.Layout) -> None:
         if old_layout == layout:
             return
         value = relayout(value, dtensor.Layout.replicated(old_layout.mesh, value.shape.rank), old_layout)
-        value = dtensor.unpack(value)[0]
-    variable._value = new_dvariable(value, layout, trainable=variable.trainable, name=variable.name)
+        value = unpad(old, dtensor.unpack(value)[0])
+    variable._value = make_dvariable(value, layout, trainable=variable.trainable, name=variable.name)
 
 
 def install() -> None:
@@ -290,14 +325,13 @@ def install() -> None:
         layout = _pick_layout(self)
         if layout is None:
             return original_initialize(self, value)
-        check_divisible(self, layout)
         # Variables may be created while a step is traced (optimizer slots):
         # their initial value must be made eagerly.
         with tf.init_scope():
             if callable(value):
                 value = value()
             value = tf.cast(tf.convert_to_tensor(value), self._dtype)
-            self._value = new_dvariable(value, layout, trainable=self.trainable, name=self.name)
+            self._value = make_dvariable(value, layout, trainable=self.trainable, name=self.name)
 
     def _direct_assign(self, value):
         if isinstance(self._value, dtensor.DVariable):
@@ -308,14 +342,19 @@ def install() -> None:
     base_value = KerasVariable.value.fget
 
     def value(self):
+        inner = self.__dict__.get("_value")
         substitute = getattr(_state, "substitutes", {}).get(id(self))
         if substitute is not None:  # FSDP: the gathered parameter, inside its layer's call
-            return self._maybe_autocast(substitute)
-        inner = self.__dict__.get("_value")
+            # gathered for this call: its cut is pinned whole (a padded dim rarely meets FSDP)
+            whole = None if logical_shape(inner) is None else dtensor.Layout.replicated(
+                layout_of(inner).mesh, len(self.shape))
+            return self._maybe_autocast(unpad(inner, substitute, whole))
         if isinstance(inner, dtensor.DVariable) and id(inner) not in getattr(_state, "handles", ()):
             cache = _graph_cache()
             if cache is not None and id(inner) in cache:
-                return self._maybe_autocast(cache[id(inner)])
+                return self._maybe_autocast(unpad(inner, cache[id(inner)]))
+            if logical_shape(inner) is not None:  # stored padded: every read is cut to Keras' shape
+                return self._maybe_autocast(unpad(inner, inner.read_value()))
         return base_value(self)
 
     def handle(self):
@@ -326,7 +365,7 @@ def install() -> None:
 
     def numpy(self):
         if isinstance(self._value, dtensor.DVariable):
-            return gather_to_numpy(self._value.read_value())
+            return gather_to_numpy(unpad(self._value, self._value.read_value()))
         return original_numpy(self)
 
     def __array__(self, dtype=None, *args, **kwargs):
