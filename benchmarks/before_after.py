@@ -51,8 +51,8 @@ def main() -> None:
     args = parser.parse_args()
     base = subprocess.run(["git", "rev-parse", "--short", args.base], capture_output=True, text=True, cwd=TREE,
                           check=True).stdout.strip()
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=TREE,
-                          check=True).stdout.strip()
+    head = subprocess.run(["git", "describe", "--always", "--dirty=+uncommitted"], capture_output=True, text=True,
+                          cwd=TREE, check=True).stdout.strip()  # the tree measured, which may hold uncommitted work
     pairs = [tuple(p.split(":")) for p in args.programs.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         worktree = os.path.join(tmp, "base")

@@ -6,6 +6,7 @@ CommDebugMode from the executed programs) -- not on time."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import re
 
 import keras
@@ -226,3 +227,90 @@ def test_concrete_programs_are_called_on_flat_tensors_with_their_captures_up_to_
     offset[0] = 5.0
     assert float(late_call(tf.constant(1.0))) == 6.0
     assert all(isinstance(p, ConcreteFunction) for p in late_call.programs.values())
+
+
+def _executed_op_counts(run) -> collections.Counter:
+    """Op types of the partition graphs TF executed while ``run()`` ran (after Grappler)."""
+    from tensorflow.python.eager import context
+
+    ctx = context.context()
+    ctx.enable_run_metadata()
+    try:
+        run()
+        metadata = ctx.export_run_metadata()
+    finally:
+        ctx.disable_run_metadata()
+    return collections.Counter(node.op for graph in metadata.function_graphs
+                               for partition in graph.partition_graphs for node in partition.node)
+
+
+def test_cpu_mesh_step_programs_skip_grappler_while_plain_code_keeps_it():
+    """Grappler's remapper fuses MatMul + BiasAdd (+ Relu) into _FusedMatMul on CPU; a step on a
+    CPU mesh is called without Grappler (keras/_trainer._program_options), plain TF code in the
+    same process and thread still gets it."""
+    from tensorflow.python.eager import context
+
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(
+        layout_map=keras.distribution.LayoutMap(keras.distribution.DeviceMesh((2, 4), ["batch", "model"])),
+        batch_dim_name="batch"))
+    model = _mlp()
+    model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
+    before = context.context().function_call_options
+    distributed = _executed_op_counts(lambda: model.fit(X, Y, batch_size=64, epochs=1, verbose=0))
+    assert distributed["MatMul"] > 0 and distributed["_FusedMatMul"] == 0, distributed
+    assert context.context().function_call_options is before  # the thread's options are back
+
+    @tf.function
+    def plain(x, w, b):
+        return tf.nn.relu(tf.nn.bias_add(tf.matmul(x, w), b))
+
+    fused = _executed_op_counts(lambda: plain(tf.ones((4, 16)), tf.ones((16, 32)), tf.ones((32,))))
+    assert fused["_FusedMatMul"] == 1, fused
+
+
+def test_grappler_is_kept_for_gpu_and_tpu_meshes():
+    """The choice follows the mesh's device type: GPU/TPU programs keep Grappler's layout and
+    fusion passes (no GPU here: a mesh of GPU device names is enough to select the path)."""
+    from tfdist.device_mesh import DeviceMesh
+    from tfdist.keras._trainer import _program_options
+
+    for kind in ("GPU", "TPU"):
+        devices = [f"/job:localhost/replica:0/task:0/device:{kind}:{i}" for i in range(2)]
+        mesh = DeviceMesh.from_tf(dtensor.Mesh(["x"], np.arange(2), [0, 1], devices))
+        assert _program_options(mesh) is contextlib.nullcontext
+    cpu = DeviceMesh.from_tf(dtensor.create_mesh([("x", 8)], device_type="CPU"))
+    assert _program_options(cpu) is not contextlib.nullcontext
+
+
+@pytest.mark.slow
+def test_tf_xla_autoclustering_still_fails_on_dtensor_relayouts():
+    """Why tfdist does not switch XLA auto-clustering on for CPU meshes (docs/design.md): when TF
+    fixes it, this fails and the route can be measured again."""
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).parents[2] / "docs" / "tf_dtensor_repros" / "xla_autoclustering_multiple_cpu_devices.py"
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1, out.stdout + out.stderr[-2000:]
+    assert "training step: Multiple CPU devices" in out.stdout
+
+
+def test_jit_compile_true_on_a_cpu_mesh_is_said_and_trains_like_one_device():
+    """Keras' jit_compile=True cannot compile a DTensor step on CPU/GPU (TF inlines it away):
+    a warning says so, as Keras does for a model that does not support XLA; the values are one
+    device's. "auto" resolves to False on a host without accelerators, on a mesh as on one device."""
+    keras.distribution.set_distribution(None)
+    ref = _mlp()
+    ref.compile(optimizer=keras.optimizers.SGD(LR), loss="mse", jit_compile=True)
+    ref_loss = ref.fit(X, Y, batch_size=16, epochs=2, verbose=0, shuffle=False).history["loss"]
+    keras.distribution.set_distribution(keras.distribution.DataParallel(
+        device_mesh=keras.distribution.DeviceMesh((8,), ["batch"])))
+    model = _mlp()
+    model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse", jit_compile=True)
+    with pytest.warns(UserWarning, match="jit_compile=True: model .* trains on a CPU mesh"):
+        loss = model.fit(X, Y, batch_size=16, epochs=2, verbose=0, shuffle=False).history["loss"]
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    auto = _mlp()
+    auto.compile(optimizer=keras.optimizers.SGD(LR), loss="mse", jit_compile="auto")
+    assert auto.jit_compile is False

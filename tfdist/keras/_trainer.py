@@ -197,7 +197,58 @@ def _tensors_of(data) -> list:
     return [t for t in tf.nest.flatten(data) if isinstance(t, tf.Tensor)]
 
 
-def _through_concrete(function, tracing=contextlib.nullcontext):
+def _program_options(mesh) -> Any:
+    """What a distributed step program is called inside: on a CPU mesh, without Grappler.
+
+    A step on a mesh is one function that TF DTensor expands into a program per device; TF then
+    runs Grappler (``tensorflow/core/grappler/optimizers/meta_optimizer.cc``) over the whole
+    expanded program, once per program, when it is first called. On CPUs that is time without
+    a return: keras-hub's Gemma on a 2x4 mesh of virtual CPUs (benchmarks/keras_hub_vs_jax.py)
+    takes 4.4 s less to its first step with the meta optimizer off (13.0 against 17.4 s) and
+    its step is not slower (docs/performance.md). On GPUs and TPUs Grappler's layout and fusion
+    passes pay, so they keep it. The option travels with the call (``FunctionCallOptions``,
+    read when a function is first instantiated; every call of a program passes the same one so
+    TF never instantiates it twice); plain TF code in the process keeps its own options."""
+    if mesh is None or mesh.device_type.upper() != "CPU":
+        return contextlib.nullcontext
+    from tensorflow.python.eager import context
+
+    config = context.context().config
+    config.allow_soft_placement = True  # what TF's default call options set for functions
+    config.graph_options.rewrite_options.disable_meta_optimizer = True
+    options = context.FunctionCallOptions(config_proto=config)
+
+    @contextlib.contextmanager
+    def calling():
+        ctx = context.context()
+        saved = ctx.function_call_options
+        ctx.function_call_options = options
+        try:
+            yield
+        finally:
+            ctx.function_call_options = saved
+
+    return calling
+
+
+def _warn_jit_compile(model, mesh) -> None:
+    """``jit_compile=True`` on a CPU or GPU mesh: said, not silently dropped.
+
+    TF DTensor inlines a jit-compiled function before its SPMD expansion (TF's dialect inliner
+    keeps inlining callees marked ``_XlaMustCompile``: docs/design.md, "XLA for the per-device
+    programs"), so the step runs as TF ops on every device, as with ``jit_compile=False``.
+    Keras says the same where a model does not support XLA. On TPU meshes DTensor compiles the
+    step with XLA itself."""
+    if mesh is None or mesh.device_type.upper() == "TPU" or not getattr(model, "jit_compile", False):
+        return
+    warnings.warn(
+        f"jit_compile=True: model '{model.name}' trains on a {mesh.device_type.upper()} mesh, where TF "
+        "DTensor runs the step as TF ops on every device (it inlines jit-compiled functions before it "
+        "expands them), so the step is not XLA-compiled: it runs as with jit_compile=False. On one "
+        "device, and on TPU meshes, XLA compiles it.", UserWarning, stacklevel=4)
+
+
+def _through_concrete(function, tracing=contextlib.nullcontext, calling=contextlib.nullcontext):
     """``function`` (a ``tf.function`` of one batch) called through the concrete function
     traced for each batch signature, on its flat tensors (``_flat_caller``).
     ``tf.function``'s own per-call lookup matches the DTensor arguments' trace types against
@@ -218,7 +269,8 @@ def _through_concrete(function, tracing=contextlib.nullcontext):
         if program is None:
             with tracing():
                 program = concrete[key] = _flat_caller(function.get_concrete_function(data), data)
-        return program(data)
+        with calling():
+            return program(data)
 
     call.__wrapped__ = function
     call.programs = concrete  # batch signature -> how its step is called (for inspection)
@@ -256,7 +308,8 @@ def _by_batch_split(step_function, run_eagerly: bool, mesh, batch_axis):
     if run_eagerly:
         even, partial = (_loss_parallel(f) for f in traced)
     else:
-        even, partial = (_through_concrete(f, _tracing_scope) for f in traced)
+        calling = _program_options(mesh)
+        even, partial = (_through_concrete(f, _tracing_scope, calling) for f in traced)
 
     def step(data, splits_evenly=None):
         """One step on ``data``: host batches, or batches ``BatchFeed`` placed (then pass
@@ -285,6 +338,7 @@ def install() -> None:
             return _explain_stranded(self, original_make(self, step_function))
         check_layout_map(self)
         mesh, batch_axis = mesh_of(self)
+        _warn_jit_compile(self, mesh)
         one_step = _by_batch_split(step_function, self.run_eagerly, mesh, batch_axis)
         feeds = {}  # the feed of the epoch iterator Keras passes (one, reused while Keras reuses it)
 
