@@ -215,7 +215,10 @@ def _gather_where_used(layout: dtensor.Layout, distribution: Any, layer: Any) ->
     batch = getattr(distribution, "batch_dim_name", None)
     if batch is None or layer is None or batch not in layout.sharding_specs:
         return
-    FSDPStyle().attach(module_backend(layer, "a layout map"), layer, tfdist_mesh(distribution.device_mesh)[batch])
+    # kept gathered from the forward to the backward, as JAX's autodiff keeps what GSPMD gathered
+    # (torch's reshard_after_forward=True would gather every such weight a second time per step)
+    FSDPStyle(reshard_after_forward=False).attach(
+        module_backend(layer, "a layout map"), layer, tfdist_mesh(distribution.device_mesh)[batch])
 
 
 # -- uneven dims: stored padded, seen at Keras' shape --------------------------------
