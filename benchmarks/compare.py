@@ -30,7 +30,11 @@ ones, ``round_order``), on 8 virtual CPUs:
 - ``tfdist_data_parallel``: Keras 3 ``fit`` under ``keras.distribution.DataParallel`` on 8;
 - ``tf_keras_layout_map``: tf_keras (Keras 2) DTensor ``LayoutMap`` on 2x4, fed by a
   ``DTensorDataset`` (its ``fit`` on arrays fails), with tf_keras' DTensor Adam;
-- ``mirrored``: Keras 3 ``fit`` under ``tf.distribute.MirroredStrategy`` on 8.
+- ``mirrored``: Keras 3 ``fit`` under ``tf.distribute.MirroredStrategy`` on 8;
+- ``jax_layout_map``: the same Keras model and ``LayoutMap`` as ``tfdist_layout_map`` on Keras'
+  JAX backend (``XLA_FLAGS=--xla_force_host_platform_device_count=8``), the alternative a Keras
+  user has today; it starts from one device's TF weights (drawn by ``one_device``'s code in a
+  helper process), so its losses are checked like the others'.
 
 Each program reports its steady step time -- the steps after the warm-up are timed in three
 consecutive blocks, and a program's step time is its median block's mean step (the mean over
@@ -56,7 +60,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROGRAMS = ["one_device", "hand_written_one_device", "hand_written", "hand_written_synced", "hand_written_dp",
             "tfdist_parallelize", "tfdist_parallelize_spe4", "tfdist_layout_map", "tfdist_data_parallel",
-            "tf_keras_layout_map", "mirrored"]
+            "tf_keras_layout_map", "mirrored", "jax_layout_map"]
 WORKLOADS = {
     "W1": dict(kind="mlp", dim=1024, hidden=1024, batch=64, steps=100, warmup=10, lr=1e-3),
     "W2": dict(kind="gpt", vocab=256, seq=64, dim=128, heads=8, depth=2, batch=16, steps=60, warmup=10, lr=1e-3),
@@ -80,6 +84,8 @@ RATIOS = [
      "one_device", "hand_written_one_device", None),
     ("tfdist parallelize_module fit 2x4 / tf_keras LayoutMap fit 2x4", "tfdist_parallelize", "tf_keras_layout_map", 0.90),
     ("tfdist LayoutMap fit 2x4 / tf_keras LayoutMap fit 2x4", "tfdist_layout_map", "tf_keras_layout_map", 0.90),
+    ("tfdist parallelize_module fit 2x4 / Keras on JAX LayoutMap fit 2x4", "tfdist_parallelize", "jax_layout_map", 1.00),
+    ("tfdist LayoutMap fit 2x4 / Keras on JAX LayoutMap fit 2x4", "tfdist_layout_map", "jax_layout_map", 1.00),
     ("tfdist DataParallel fit 8 / MirroredStrategy fit 8", "tfdist_data_parallel", "mirrored", 1.00),
     ("tfdist DataParallel fit 8 / hand-written TF DTensor data parallel 8", "tfdist_data_parallel", "hand_written_dp", 1.02),
 ]
@@ -114,9 +120,12 @@ def _loss(keras, w: dict):
 
 
 def _scalar(t) -> float:
+    if "tensorflow" not in sys.modules:  # Keras on JAX: a jax array
+        return float(np.asarray(t))
+    import tensorflow as tf
     from tensorflow.experimental import dtensor
 
-    if hasattr(t, "dtype") and dtensor.is_dtensor(t):
+    if isinstance(t, tf.Tensor) and dtensor.is_dtensor(t):
         t = dtensor.unpack(t)[0]
     return float(np.asarray(t))
 
@@ -291,13 +300,51 @@ def run_tfdist_layout_map(w, x, y):
     def distribution(keras):
         mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"])
         layout_map = keras.distribution.LayoutMap(mesh)
-        rules = ({".*/up/kernel": (None, "model"), ".*/up/bias": ("model",), ".*/down/kernel": ("model", None)}
-                 if w["kind"] == "mlp" else _gpt_layout_map())
-        for key, axes in rules.items():
+        for key, axes in _layout_map_rules(w).items():
             layout_map[key] = axes
         return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
 
     return _tfdist_keras(distribution, w, x, y)
+
+
+def _layout_map_rules(w: dict) -> dict:
+    if w["kind"] == "mlp":
+        return {".*/up/kernel": (None, "model"), ".*/up/bias": ("model",), ".*/down/kernel": ("model", None)}
+    return _gpt_layout_map()
+
+
+def run_jax_layout_map(w, x, y):
+    """Keras on JAX with the LayoutMap of ``tfdist_layout_map``, from one device's TF weights."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "weights.npz")
+        workload = next(k for k, v in WORKLOADS.items() if v is w)
+        subprocess.run([sys.executable, os.path.abspath(__file__), "--initial-weights", workload, path],
+                       check=True, capture_output=True,
+                       env={**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+                            "KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "3"})
+        with np.load(path) as saved:
+            weights = [saved[f"w{i}"] for i in range(len(saved.files))]
+    import keras
+
+    mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"], devices=keras.distribution.list_devices())
+    layout_map = keras.distribution.LayoutMap(mesh)
+    for key, axes in _layout_map_rules(w).items():
+        layout_map[key] = axes
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch"))
+    model = _keras_model(keras, w)
+    model.set_weights(weights)
+    return _fit(keras, model, w, x, y)
+
+
+def initial_weights(workload: str, path: str) -> None:
+    """One device's initial weights of ``workload``'s Keras model (TF backend), saved to ``path``."""
+    _virtual_cpus(8)
+    import keras
+
+    weights = _keras_model(keras, WORKLOADS[workload]).get_weights()
+    np.savez(path, **{f"w{i}": v for i, v in enumerate(weights)})
 
 
 def run_tfdist_data_parallel(w, x, y):
@@ -373,7 +420,9 @@ def worker(program: str, workload: str) -> None:
     import resource
 
     sys.path.insert(0, HERE)
-    if not program.startswith("tfdist"):
+    if program.startswith("jax"):
+        os.environ.update(KERAS_BACKEND="jax", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    elif not program.startswith("tfdist"):
         _virtual_cpus(8)  # the baselines run without tfdist in the process
     w = WORKLOADS[workload]
     x, y = _data(w)
@@ -389,7 +438,7 @@ def worker(program: str, workload: str) -> None:
 
 # Programs whose ratios are goals run next to each other: this host's slow spells last
 # minutes, and two programs a minute apart can land on either side of one.
-GROUPS = [["tfdist_parallelize", "hand_written", "tfdist_layout_map", "hand_written_synced",
+GROUPS = [["tfdist_parallelize", "hand_written", "tfdist_layout_map", "jax_layout_map", "hand_written_synced",
            "tfdist_parallelize_spe4", "tf_keras_layout_map"],
           ["tfdist_data_parallel", "mirrored", "hand_written_dp"],
           ["one_device", "hand_written_one_device"]]
@@ -561,5 +610,7 @@ def main() -> None:
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "--worker":
         worker(sys.argv[2], sys.argv[3])
+    elif len(sys.argv) == 4 and sys.argv[1] == "--initial-weights":
+        initial_weights(sys.argv[2], sys.argv[3])
     else:
         main()

@@ -162,6 +162,7 @@ def test_each_round_runs_every_program_once_with_the_goal_pairs_side_by_side():
     for order in orders:
         assert sorted(order) == sorted(programs)
         for a, b in [("tfdist_parallelize", "hand_written"), ("hand_written", "tfdist_layout_map"),
+                     ("tfdist_layout_map", "jax_layout_map"),
                      ("tfdist_data_parallel", "mirrored"), ("one_device", "hand_written_one_device")]:
             assert abs(order.index(a) - order.index(b)) == 1, (a, b, order)
     # forwards, then backwards: neither program of a pair always runs second
