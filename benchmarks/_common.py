@@ -52,25 +52,14 @@ _WIRE = {
 }
 
 
-def _partition_graphs(fn: Callable[[], object]):
-    """The per-device programs TF ran for ``fn`` (whose tf.function must not have run yet)."""
-    from tensorflow.python.eager import context
-
-    context.enable_run_metadata()
-    try:
-        fn()
-        metadata = context.export_run_metadata()
-    finally:
-        context.disable_run_metadata()
-    return [g for function in metadata.function_graphs for g in function.partition_graphs]
-
-
 def largest_tensor_bytes(fn: Callable[[], object], device: str = "CPU:0") -> int:
     """The largest tensor any op of ``fn``'s program produces on ``device`` (bytes)."""
     import tensorflow as tf
 
+    from tfdist.tensor.debug._executed import partition_graphs
+
     largest = 0
-    for graph in _partition_graphs(fn):
+    for graph in partition_graphs(fn):
         for node in graph.node:
             if not node.device.endswith(device) or "_output_shapes" not in node.attr:
                 continue
@@ -93,8 +82,10 @@ def executed_collective_bytes(fn: Callable[[], object], device: str = "CPU:0") -
     """
     import tensorflow as tf
 
+    from tfdist.tensor.debug._executed import partition_graphs
+
     sent: dict[str, float] = {}
-    for graph in _partition_graphs(fn):
+    for graph in partition_graphs(fn):
         nodes = {n.name: n for n in graph.node}
         for node in graph.node:
             if node.op not in _WIRE or not node.device.endswith(device):

@@ -20,7 +20,7 @@ from keras_helpers import no_global_distribution  # noqa: F401
 from tfdist.keras import _data
 from tfdist.keras._trainer import mesh_of
 from tfdist.tensor.debug import CommDebugMode
-from tfdist.tensor.debug._executed import combined_all_reduce_pieces
+from tfdist.tensor.debug._executed import combined_all_reduce_pieces, partition_graphs
 
 RNG = np.random.default_rng(0)
 X = RNG.standard_normal((64, 16)).astype(np.float32)
@@ -231,17 +231,7 @@ def test_concrete_programs_are_called_on_flat_tensors_with_their_captures_up_to_
 
 def _executed_op_counts(run) -> collections.Counter:
     """Op types of the partition graphs TF executed while ``run()`` ran (after Grappler)."""
-    from tensorflow.python.eager import context
-
-    ctx = context.context()
-    ctx.enable_run_metadata()
-    try:
-        run()
-        metadata = ctx.export_run_metadata()
-    finally:
-        ctx.disable_run_metadata()
-    return collections.Counter(node.op for graph in metadata.function_graphs
-                               for partition in graph.partition_graphs for node in partition.node)
+    return collections.Counter(node.op for graph in partition_graphs(run) for node in graph.node)
 
 
 def test_cpu_mesh_step_programs_skip_grappler_while_plain_code_keeps_it():

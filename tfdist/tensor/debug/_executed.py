@@ -12,7 +12,7 @@ from typing import Iterator
 import tensorflow as tf
 from tensorflow.python.eager import context
 
-__all__ = ["function_nodes", "executed_nodes", "combined_all_reduce_pieces"]
+__all__ = ["function_nodes", "executed_nodes", "combined_all_reduce_pieces", "partition_graphs"]
 
 
 def function_nodes(names: list[str]) -> Iterator[tuple[dict, object]]:
@@ -51,3 +51,16 @@ def combined_all_reduce_pieces(program) -> list[tuple[str, int, int]]:
                            for ref in node.input[1:3])
             pieces.append((node.name, begin, size))
     return pieces
+
+
+def partition_graphs(run) -> list:
+    """The per-device graphs TF ran for ``run()`` after its graph optimisations (``GraphDef``s from
+    the eager context's run metadata); a function instantiated before ``run`` is not among them."""
+    ctx = context.context()
+    ctx.enable_run_metadata()
+    try:
+        run()
+        metadata = ctx.export_run_metadata()
+    finally:
+        ctx.disable_run_metadata()
+    return [g for function in metadata.function_graphs for g in function.partition_graphs]
