@@ -304,3 +304,17 @@ def test_jit_compile_true_on_a_cpu_mesh_is_said_and_trains_like_one_device():
     auto = _mlp()
     auto.compile(optimizer=keras.optimizers.SGD(LR), loss="mse", jit_compile="auto")
     assert auto.jit_compile is False
+
+
+@pytest.mark.slow
+def test_tf_dtensor_xla_spmd_mode_still_runs_unpartitioned_on_a_cpu_mesh():
+    """Why tfdist does not build CPU/GPU meshes in DTensor's XLA SPMD mode (docs/design.md): each
+    device holds and computes the global tensor, uncompiled. When TF changes that, this fails."""
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).parents[2] / "docs" / "tf_dtensor_repros" / "xla_spmd_on_a_cpu_mesh.py"
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1, out.stdout + out.stderr[-2000:]
+    assert "{(16, 64)}" in out.stdout and "0 XLA launches" in out.stdout
