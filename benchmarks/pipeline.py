@@ -13,6 +13,15 @@
   checked equal.  Each pipeline rank runs in its own thread; the executed
   bubble is the idle share of the ranks in the recorded trace (8 virtual
   CPUs share 2 cores here, so at most 2 stages truly run at once).
+* Recomputation: the same steps with ``activation_checkpoint=True`` stages
+  (each backward runs its stage's forward again); per program, the MatMul
+  kernels the TF profiler saw in one step, weighed by their rows (a
+  microbatch has 1/8 of the batch), against one device's step on the whole
+  batch (every matmul of this model is rows x 512 x 512, so that ratio is
+  the ratio of FLOPs); and, in a process of its own per mode (``--memory``),
+  how far the process's resident memory rises above its level before a
+  step while the step runs (sampled every millisecond; batch 4096, GPipe
+  and 1F1B, 8 microbatches): what the kept activations cost.
 * Profiler trace: one more step of each schedule under the TF profiler
   (tfdist.pipelining.read_profile): ranks busy at once on average, and the
   share of kernel time with two or more kernels running at once; the 1F1B
@@ -23,10 +32,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -87,6 +99,71 @@ def mse(y, t):
     return tf.reduce_mean((y - t) ** 2)
 
 
+def stages_of(checkpoint: bool) -> list[PipelineStage]:
+    return [PipelineStage(b, i, P, f"CPU:{2 * i}", activation_checkpoint=checkpoint) for i, b in enumerate(blocks())]
+
+
+def matmul_rows(run, rows: int) -> int:
+    """MatMul kernels the TF profiler saw during ``run()``, times ``rows`` (the rows each multiplies)."""
+    logdir = tempfile.mkdtemp(prefix="tfdist-pp-flops-")
+    tf.profiler.experimental.start(logdir)
+    try:
+        with tf.profiler.experimental.Trace("step", pipeline_rank=0):  # read_profile wants an action
+            run()
+    finally:
+        tf.profiler.experimental.stop()
+    return rows * sum(1 for _, name, _, _ in read_profile(logdir).kernels if name.endswith("MatMul"))
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def rss_rise_during(run) -> int:
+    """Bytes the resident set rose above its level before ``run()`` while it ran (1 ms samples)."""
+    base, peak, done = _rss(), [0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss())
+            time.sleep(0.001)
+
+    watcher = threading.Thread(target=sample)
+    watcher.start()
+    try:
+        run()
+    finally:
+        done.set()
+        watcher.join()
+    return max(peak[0], _rss()) - base
+
+
+def memory_worker(schedule: str, checkpoint: bool) -> None:
+    """One process, one mode: the resident-memory rise of a step (median of 3 after a warm-up)."""
+    batch = 4096
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((batch, 512)).astype("float32")
+    y = rng.standard_normal((batch, 512)).astype("float32")
+    cls = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}[schedule]
+    pipe = cls(stages_of(checkpoint), 8, loss_fn=mse)
+    pipe.step(x, target=y)
+    rises = [rss_rise_during(lambda: pipe.step(x, target=y)) for _ in range(3)]
+    print(json.dumps({"rss_rise_mb": round(statistics.median(rises) / 2**20, 1)}))
+
+
+def memory_rows() -> list[dict]:
+    rows = []
+    for schedule in ("GPipe", "1F1B"):
+        for checkpoint in (False, True):
+            out = subprocess.run([sys.executable, __file__, "--memory", schedule, str(int(checkpoint))],
+                                 capture_output=True, text=True, check=True)
+            rise = json.loads(out.stdout.strip().splitlines()[-1])["rss_rise_mb"]
+            rows.append({"schedule": schedule, "activations": "recomputed" if checkpoint else "kept",
+                         "memory rise during a step (MB)": rise})
+    return rows
+
+
 def profile_step(pipe, x, y, name: str) -> dict:
     """One step under the TF profiler: how many ranks were busy at once, and how often kernels overlapped."""
     logdir = tempfile.mkdtemp(prefix=f"tfdist-pp-{name}-")
@@ -118,8 +195,9 @@ def main() -> None:
 
     pipes = {}
     for name, cls in [("GPipe", ScheduleGPipe), ("1F1B", Schedule1F1B)]:
-        stages = [PipelineStage(b, i, P, f"CPU:{2 * i}") for i, b in enumerate(blocks())]
-        pipes[name] = (cls(stages, 8, loss_fn=mse), stages)
+        for suffix, checkpoint in (("", False), (" (recompute)", True)):
+            stages = stages_of(checkpoint)
+            pipes[name + suffix] = (cls(stages, 8, loss_fn=mse), stages)
 
     def run(name):
         if name == "one device":
@@ -134,7 +212,7 @@ def main() -> None:
         stages[0].grads[0].numpy()
         return float(np.mean([l.numpy() for l in losses]))
 
-    names = ["one device", "GPipe", "1F1B"]
+    names = ["one device", "GPipe", "GPipe (recompute)", "1F1B", "1F1B (recompute)"]
     first = {n: run(n) for n in names}  # warm-up (traces) and the loss check
     assert max(first.values()) - min(first.values()) < 1e-5 * abs(first["one device"]), first
     samples = {n: [] for n in names}
@@ -144,20 +222,28 @@ def main() -> None:
             run(n)
             samples[n].append((time.perf_counter() - t0) * 1e3)
     held = {n: [s.peak_held_inputs for s in pipes[n][1]] for n in ("GPipe", "1F1B")}
+    flops = {n: matmul_rows(lambda n=n: run(n), BATCH if n == "one device" else BATCH // 8) for n in names}
     profiled = {n: profile_step(pipes[n][0], x, y, n) for n in ("GPipe", "1F1B")}
     executed = {n: round(executed_bubble(pipes[n][0].executed_order), 3) for n in ("GPipe", "1F1B")}
     steps = [{"program": n, "step_ms": round(statistics.median(samples[n]), 1),
               "vs one device": round(statistics.median(samples[n]) / statistics.median(samples["one device"]), 2),
+              "compute vs one device": round(flops[n] / flops["one device"], 2),
               "inputs held per stage": held.get(n, ""), "executed bubble": executed.get(n, ""),
               **profiled.get(n, {})} for n in names]
+    memory = memory_rows()
     print("bubble fraction of each plan (unit costs)")
     print_table(bubbles, ["schedule", "p", "m", "bubble", "theory (p-1)/(m+p-1)"])
     print(f"\nstep time, 8 microbatches, {ROUNDS} rounds, median (loss {first['one device']:.5f} in all)")
-    print_table(steps, ["program", "step_ms", "vs one device", "inputs held per stage", "executed bubble",
-                        "profiled ranks busy at once", "profiled kernel overlap"])
-    path = write_results("pipeline", steps, {"bubbles": bubbles, "rounds": ROUNDS})
+    print_table(steps, ["program", "step_ms", "vs one device", "compute vs one device", "inputs held per stage",
+                        "executed bubble", "profiled ranks busy at once", "profiled kernel overlap"])
+    print("\nmemory a step adds (batch 4096, 8 microbatches, a process per row)")
+    print_table(memory, ["schedule", "activations", "memory rise during a step (MB)"])
+    path = write_results("pipeline", steps, {"bubbles": bubbles, "rounds": ROUNDS, "memory": memory})
     print(f"wrote {path}")
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--memory"]:
+        memory_worker(sys.argv[2], bool(int(sys.argv[3])))
+    else:
+        main()

@@ -200,6 +200,7 @@ class _PipelineSchedule:
         targets = split_args_kwargs_into_chunks((target,), {}, n)[0] if target is not None and last_here else None
         for s in self._local.values():
             s.clear_runtime_states()
+            s.record_for_backward = backward  # eval() keeps no activations
         self._received.clear()
         order = self._execution_order()
         # forward only: every forward of the plan, those paired with a backward in OVERLAP_F_B included
@@ -441,7 +442,7 @@ class ScheduleGPipe(PipelineScheduleSingle):
 
 class Schedule1F1B(PipelineScheduleSingle):
     """1F1B: after a warm-up, each rank alternates one forward and one backward, so at most
-    ``num_stages - rank`` microbatch inputs are held per stage (GPipe holds all of them).
+    ``num_stages - rank`` microbatches are held per stage (GPipe holds all of them).
 
     ``pipeline_order`` is torch's plan, identical to it; torch 2.13's plan numbers the last rank's
     forwards 1..n (see ``tfdist.pipelining._orders.one_f_one_b_plan``), the run uses 0..n-1.

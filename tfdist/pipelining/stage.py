@@ -1,13 +1,18 @@
 """PipelineStage: one piece of a model on its own device or sub-mesh (torch.distributed.pipelining.stage).
 
-Each stage runs compiled TensorFlow programs on its devices: a forward, a
-full backward, and the backward split into its input part (``I``) and weight
-part (``W``) for the zero-bubble schedules.  TensorFlow cannot keep a
-``GradientTape`` open from one compiled program to the next, so a stage keeps
-each microbatch's *input* and its backward programs run the stage's forward
-again under a tape (activation recomputation, as ``torch.utils.checkpoint``
-does); what a stage holds between its forward and backward is its inputs,
-not its activations.
+Each stage runs compiled TensorFlow programs on its devices.  A microbatch's
+forward runs as one compiled program under an eager ``GradientTape``: calling a
+``tf.function`` under a tape makes TensorFlow run the forward half of the
+forward/backward pair it builds for the function's gradient, which also
+returns the activations the backward needs, and the tape keeps them.  The
+stage's backward is then ``tape.gradient``: one compiled backward program fed
+with those activations, as torch's autograd is fed with its saved tensors.
+So a stage holds each microbatch's activations between its forward and its
+backward, and computes one forward and one backward per microbatch.
+
+With ``activation_checkpoint=True`` (``torch.utils.checkpoint`` per stage) a
+stage keeps only each microbatch's *input* and its backward programs run the
+forward again under a tape: less memory held, a forward more of compute.
 """
 
 from __future__ import annotations
@@ -63,6 +68,11 @@ class PipelineStage:
             microbatch's shapes are recorded and later ones checked.
         group: accepted for torch compatibility (one process holds all the
             stages of a pipeline rank; see the schedules).
+        activation_checkpoint: keep only each microbatch's input between its
+            forward and backward and recompute the forward in the backward
+            (what ``torch.utils.checkpoint`` around the stage's module does):
+            less memory, a third more compute. By default (``False``) the
+            stage keeps the forward's activations and does not recompute.
 
     After a schedule's ``step``, ``grads`` holds the gradients of
     ``submodule.trainable_variables`` (summed over microbatches, divided by
@@ -71,11 +81,23 @@ class PipelineStage:
     Example::
 
         stage = PipelineStage(blocks[0], 0, 4, device="CPU:0")
+        stage = PipelineStage(blocks[1], 1, 4, device="CPU:1", activation_checkpoint=True)
+
+    Zero-bubble schedules split a backward into its input part (``I``) and
+    its weight part (``W``). Without recomputation, TensorFlow's backward
+    program for a compiled call computes the gradients of all the call's
+    inputs at once (asking for the input gradients alone costs the same), so
+    the ``I`` action computes both and the ``W`` action adds the weight
+    gradients it kept; with ``activation_checkpoint=True`` they are two
+    programs, each recomputing the forward.
     """
 
     def __init__(self, submodule: Any, stage_index: int, num_stages: int, device: Any,
                  input_args: Any = None, output_args: Any = None, group: Any = None,
-                 dw_builder: Callable | None = None) -> None:
+                 dw_builder: Callable | None = None, *, activation_checkpoint: bool = False) -> None:
+        if not isinstance(activation_checkpoint, bool):
+            raise TypeError("activation_checkpoint must be a bool. Received: "
+                            f"activation_checkpoint={activation_checkpoint!r}")
         if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
             raise ValueError(f"num_stages must be a positive int. Received: num_stages={num_stages!r}")
         if isinstance(stage_index, bool) or not isinstance(stage_index, int) or not 0 <= stage_index < num_stages:
@@ -95,6 +117,8 @@ class PipelineStage:
         self.devices = _device_names(device)  # full names; a stage lives on one client
         self.device_key = ",".join(self.devices)
         self.group = group
+        self.activation_checkpoint = activation_checkpoint
+        self.record_for_backward = True  # False while a schedule runs eval(): nothing is kept for a backward
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
         self._expected_in = self._specs(input_args)
         self._expected_out = self._specs(output_args)
@@ -127,7 +151,11 @@ class PipelineStage:
         self.losses: dict[int, tf.Tensor] = {}
         self.targets: dict[int, Any] = {}
         self.output_chunks: list[Any] = []
-        self.peak_held_inputs = 0  # most microbatch inputs held at once (what the schedule makes it keep)
+        self._tapes: dict[int, tf.GradientTape] = {}  # per microbatch: the forward's saved activations
+        self._weight_grads: dict[int, list] = {}  # computed by an I action, added by its W action
+        # most microbatches held at once between forward and backward (what the schedule makes it keep):
+        # their activations, or only their inputs with activation_checkpoint
+        self.peak_held_inputs = 0
         if len(self.grads) != len(self.trainable_variables):
             self.zero_grads()
 
@@ -174,13 +202,30 @@ class PipelineStage:
         with tf.device(self.device):
             return fn(*args)
 
+    def _forward(self) -> Callable:
+        if not self.is_first:
+            return lambda *xs: self.submod(*xs)
+        # TF's backward program of a compiled call computes the gradient of every input it can
+        # reach; the model's input needs none (torch's first stage computes none either).
+        return lambda *xs: self.submod(*(tf.stop_gradient(x) for x in xs))
+
     def forward_one_chunk(self, microbatch: int, args: tuple) -> Any:
-        """Runs the forward of one microbatch; keeps its input for the backward."""
+        """Runs the forward of one microbatch; keeps what its backward needs (its activations, or
+        only its input with ``activation_checkpoint``)."""
         args = tuple(self.place(a) for a in args)
         self._expected_in = self._check(args, self._expected_in, "receives",
                                         "its input_args" if self.stage_index == 0 else f"stage {self.stage_index}")
-        fn = self._program("forward", lambda: lambda *xs: self.submod(*xs))
-        out = self._run(fn, *args)
+        fn = self._program("forward", self._forward)
+        if self.activation_checkpoint or not self.record_for_backward:
+            out = self._run(fn, *args)
+        else:
+            tape = tf.GradientTape()
+            with tape:
+                for a in () if self.is_first else args:  # the model's input needs no gradient
+                    if a.dtype.is_floating or a.dtype.is_complex:
+                        tape.watch(a)
+                out = self._run(fn, *args)
+            self._tapes[microbatch] = tape
         outs = out if isinstance(out, (tuple, list)) else (out,)
         self._expected_out = self._check(tuple(outs), self._expected_out, "outputs", "its output_args")
         self.inputs[microbatch] = args
@@ -192,7 +237,12 @@ class PipelineStage:
         """The last stage's loss on one microbatch (kept for its backward)."""
         target = self.place(target) if target is not None else None
         fn = self._program("loss", lambda: lambda y, t: loss_fn(y, t))
-        loss = self._run(fn, self.outputs[microbatch], target)
+        tape = self._tapes.get(microbatch)
+        if tape is None:
+            loss = self._run(fn, self.outputs[microbatch], target)
+        else:
+            with tape:  # the loss joins the forward's record: one backward from the loss
+                loss = self._run(fn, self.outputs[microbatch], target)
         self.losses[microbatch], self.targets[microbatch] = loss, target
         return loss
 
@@ -224,16 +274,32 @@ class PipelineStage:
             if microbatch not in self.output_grads:
                 raise RuntimeError(f"stage {self.stage_index}: no output gradient for microbatch {microbatch}")
             dy = self.output_grads[microbatch]
-        key = f"backward-{int(inputs)}{int(weights)}-{int(last)}"
-        impl = self._recompute(loss_fn if last else None)
-        fn = self._program(key, lambda: lambda a, t, g: impl(a, t, g, inputs, weights))
-        d_in, d_w = self._run(fn, self.inputs[microbatch], self.targets.get(microbatch) if last else None, dy)
+        if microbatch in self._weight_grads:  # the W after an I that computed them
+            d_in, d_w = (), self._weight_grads.pop(microbatch)
+        elif microbatch in self._tapes:
+            d_in, d_w = self._saved_backward(microbatch, self.losses[microbatch] if last else self.outputs[microbatch], dy)
+            if not weights:
+                self._weight_grads[microbatch] = d_w
+        else:
+            key = f"backward-{int(inputs)}{int(weights)}-{int(last)}"
+            impl = self._recompute(loss_fn if last else None)
+            fn = self._program(key, lambda: lambda a, t, g: impl(a, t, g, inputs, weights))
+            d_in, d_w = self._run(fn, self.inputs[microbatch], self.targets.get(microbatch) if last else None, dy)
         if inputs:
             self.input_grads[microbatch] = tuple(d_in)
         if weights:
             self.grads = [g if acc is None else acc + g for acc, g in zip(self.grads, d_w)]
             if inputs or microbatch in self.input_grads:
                 self.inputs.pop(microbatch, None)
+
+    def _saved_backward(self, microbatch: int, out: Any, dy: Any) -> tuple[list, list]:
+        """Input and weight gradients of one microbatch from the activations its forward kept: TF's
+        compiled backward program of the forward call, run once."""
+        args = () if self.is_first else self.inputs[microbatch]
+        tape = self._tapes.pop(microbatch)
+        grads = self._run(lambda: tape.gradient(out, list(args) + self.trainable_variables, output_gradients=dy,
+                                                unconnected_gradients=tf.UnconnectedGradients.ZERO))
+        return grads[:len(args)], grads[len(args):]
 
     def scale_grads(self, divisor: int) -> None:
         if divisor != 1:
