@@ -183,11 +183,82 @@ def test_stages_on_sub_meshes_of_different_sizes(float64):
         sub = DeviceMesh("cpu", devices, mesh_dim_names=("tp",))
         parallelize_module(part, sub, {"up": ColwiseParallel(), "down": RowwiseParallel()})
         stages.append(PipelineStage(part, i, 3, sub))
+    train_and_compare(ref, stages, ScheduleGPipe(stages, 4, loss_fn=mse), steps=3)
+
+
+PLACEMENTS = [[[0, 1], [2, 3, 4, 5], [6], "CPU:7"], [[0, 1], [2, 3], [4], "CPU:5"], [[0, 1], [2, 3, 4, 5], [6, 7]],
+              [[0, 1], [2, 3], [4, 5], [6, 7]]]
+
+
+def _placed_stages(placement, **kwargs):
+    parts, stages = blocks(len(placement)), []
+    for i, (part, where) in enumerate(zip(parts, placement)):
+        if not isinstance(where, str):
+            where = DeviceMesh("cpu", where, mesh_dim_names=("tp",))
+            if where.size() > 1:
+                parallelize_module(part, where, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        stages.append(PipelineStage(part, i, len(placement), where, **kwargs))
+    return stages
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS,
+                         ids=lambda p: "-".join(w if isinstance(w, str) else "".join(map(str, w)) for w in p))
+@pytest.mark.parametrize("schedule", [ScheduleGPipe, Schedule1F1B])
+def test_concurrent_steps_on_any_placement_never_stall(float64, placement, schedule):
+    """Stages on sub-meshes of different sizes, 1-device meshes and device strings, one thread per rank:
+    these stalled inside TF DTensor within 50 steps (up to 3 runs in 3, docs/design.md). 50 steps each,
+    with a watchdog so a stall fails the test instead of hanging it; gradients equal the whole model's."""
+    stages = _placed_stages(placement)
+    pipe = schedule(stages, 4, loss_fn=mse)
+    pipe.stall_timeout = 60.0
+    for _ in range(50):
+        for s in stages:
+            s.zero_grads()
+        pipe.step(X, target=Y)
+    model = whole(blocks(len(placement)))
+    with tf.GradientTape() as tape:
+        loss = mse(model(X), Y)
+    for a, b in zip([g for s in stages for g in s.grads], tape.gradient(loss, model.trainable_variables)):
+        np.testing.assert_allclose(_value(a), b.numpy(), rtol=1e-12, atol=1e-14)
+
+
+def _value(t):
+    """A tensor's global value, from a sharded DTensor too."""
+    from tensorflow.experimental import dtensor
+
+    if dtensor.is_dtensor(t):
+        t = dtensor.unpack(dtensor.relayout(t, dtensor.Layout.replicated(dtensor.fetch_layout(t).mesh, t.shape.rank)))[0]
+    return t.numpy()
+
+
+def test_a_stalled_step_raises_naming_the_ranks_and_actions(float64, monkeypatch):
+    """The watchdog: a rank that stays inside an action past stall_timeout turns into an error that says
+    what every rank was doing, instead of a step that never returns."""
+    import threading
+    import time
+
+    from tfdist.pipelining import PipelineStallError
+
+    stages = stages_for(ScheduleGPipe, blocks())
     pipe = ScheduleGPipe(stages, 4, loss_fn=mse)
-    # one action at a time: with one thread per rank, sub-meshes of different sizes can stall inside
-    # TF DTensor (docs/pipelining.md, "Not yet")
-    pipe.concurrent = False
-    train_and_compare(ref, stages, pipe, steps=3)
+    pipe.step(X, target=Y)  # compiled
+    release = threading.Event()
+    forward = stages[1].forward_one_chunk
+
+    def stuck(microbatch, args):
+        release.wait(30)  # stands for a rank blocked inside TensorFlow
+        return forward(microbatch, args)
+
+    monkeypatch.setattr(stages[1], "forward_one_chunk", stuck)
+    pipe.stall_timeout = 1.0
+    t0 = time.perf_counter()
+    with pytest.raises(PipelineStallError) as err:
+        pipe.step(X, target=Y)
+    release.set()
+    assert time.perf_counter() - t0 < 10
+    message = str(err.value)
+    assert "rank 1 running 1F0" in message and "rank 2 waiting for the inputs of 2F0" in message, message
+    assert "stall_timeout=1" in message
 
 
 @pytest.mark.parametrize("schedule", [ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleLoopedBFS,

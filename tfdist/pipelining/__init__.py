@@ -16,7 +16,7 @@ from tfdist.pipelining._actions import Action, ComputationType, format_pipeline_
 from tfdist.pipelining.microbatch import TensorChunkSpec, merge_chunks, split_args_kwargs_into_chunks
 from tfdist.pipelining.schedules import (
     PipelineScheduleMulti, PipelineScheduleSingle, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-    ScheduleDualPipeV, ScheduleInterleavedZeroBubble, ScheduleLoopedBFS, ScheduleZBVZeroBubble,
+    PipelineStallError, ScheduleDualPipeV, ScheduleInterleavedZeroBubble, ScheduleLoopedBFS, ScheduleZBVZeroBubble,
 )
 from tfdist.pipelining.stage import PipelineStage, PipeliningShapeError
 
@@ -25,4 +25,5 @@ __all__ = [
     "PipelineScheduleSingle", "PipelineScheduleMulti", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
     "plot_schedule", "timeline", "read_profile", "PipelineProfile", "pipeline", "pipe_split", "SplitPoint", "Pipe", "PipeInfo", "build_stage",
     "ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV", "Action", "ComputationType", "format_pipeline_order",
+    "PipelineStallError",
 ]

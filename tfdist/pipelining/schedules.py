@@ -40,7 +40,7 @@ from tfdist.pipelining.stage import PipelineStage
 __all__ = [
     "PipelineScheduleSingle", "PipelineScheduleMulti", "ScheduleGPipe", "Schedule1F1B",
     "ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble",
-    "ScheduleDualPipeV",
+    "ScheduleDualPipeV", "PipelineStallError",
 ]
 
 
@@ -61,6 +61,10 @@ def _flat(actions: Sequence[Action | None]) -> list[Action]:
         if a is not None:
             out += list(a.sub_actions) if a.computation_type == OVERLAP_F_B else [a]
     return out
+
+
+class PipelineStallError(RuntimeError):
+    """A concurrent pipeline step made no progress for ``schedule.stall_timeout`` seconds."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +97,9 @@ class _PipelineSchedule:
             raise ValueError("stages: pass this client's PipelineStage objects (at least one).")
         self.concurrent = True  # one thread per pipeline rank; False: one action at a time (debugging)
         self.p2p_timeout = 600.0  # seconds a transfer between clients may wait for the other side
+        # seconds a concurrent step may go without any action finishing before step() raises a
+        # PipelineStallError naming what each rank was doing (None: wait forever)
+        self.stall_timeout: float | None = 600.0
         self._num_stages = stages[0].num_stages
         self._local: dict[int, PipelineStage] = {}
         for st in stages:
@@ -301,16 +308,22 @@ class _PipelineSchedule:
         cond = threading.Condition()
         failures: list[BaseException] = []
         start = time.perf_counter()
+        running: dict[int, tuple[str, float]] = {}  # rank -> (action, since): what each rank is doing
+        waiting: dict[int, str] = {}  # rank -> the action whose inputs it waits for
+        progress = [start]  # when an action last finished
 
         def rank_loop(rank: int, queue: list) -> None:
             for action in queue:
                 with cond:
+                    waiting[rank] = str(action)
                     while not failures and not self._ready(action, done):
                         if not cond.wait(timeout=self.p2p_timeout):
                             failures.append(RuntimeError(
                                 f"pipeline rank {rank} waited {self.p2p_timeout:g} s for {action}"))
+                    del waiting[rank]
                     if failures:
                         return
+                    running[rank] = (str(action), time.perf_counter())
                 t0 = time.perf_counter() - start
                 try:
                     made = self._do_annotated(rank, action, args_split, targets)
@@ -320,6 +333,8 @@ class _PipelineSchedule:
                         cond.notify_all()
                     return
                 with cond:
+                    del running[rank]
+                    progress[0] = time.perf_counter()
                     done.update(made)
                     self.executed_order[rank].append((str(action), t0, time.perf_counter() - start))
                     cond.notify_all()
@@ -332,20 +347,41 @@ class _PipelineSchedule:
                     failures.append(e)
                     cond.notify_all()
 
-        threads = [threading.Thread(target=rank_loop, args=(r, q), name=f"tfdist-pipeline-rank-{r}")
+        # daemons: a rank stuck inside TensorFlow cannot be stopped, and must not keep the process alive
+        # after the watchdog below has raised; after a failure a receiving thread may stay blocked until
+        # its transfer times out
+        threads = [threading.Thread(target=rank_loop, args=(r, q), name=f"tfdist-pipeline-rank-{r}", daemon=True)
                    for r, q in sorted(queues.items())]
-        # daemons: after a failure a receiving thread may stay blocked until its transfer times out
         channels = [threading.Thread(target=serve, args=t, name=f"tfdist-pipeline-channel-{t[0].index}",
                                      daemon=True) for t in transfers]
         for t in threads + channels:
             t.start()
-        for t in threads:
-            t.join()
+        self._watch(threads, cond, failures, running, waiting, progress)
         if not failures:
             for t in channels:
                 t.join()
         if failures:
             raise failures[0]
+
+    def _watch(self, threads: list, cond: threading.Condition, failures: list, running: dict, waiting: dict,
+               progress: list) -> None:
+        """Waits for the rank threads; past ``stall_timeout`` seconds without an action finishing,
+        records a ``PipelineStallError`` naming each rank's running or awaited action."""
+        while any(t.is_alive() for t in threads):
+            next(t for t in threads if t.is_alive()).join(timeout=0.2)
+            with cond:
+                now = time.perf_counter()
+                if failures or self.stall_timeout is None or now - progress[0] <= self.stall_timeout:
+                    continue
+                doing = [f"rank {r} running {a} for {now - since:.0f} s" for r, (a, since) in sorted(running.items())]
+                doing += [f"rank {r} waiting for the inputs of {a}" for r, a in sorted(waiting.items())]
+                failures.append(PipelineStallError(
+                    f"pipeline step stalled: no action finished for {now - progress[0]:.0f} s "
+                    f"(schedule.stall_timeout={self.stall_timeout:g}); " + "; ".join(doing) + ". A rank "
+                    "running an action is blocked inside TensorFlow; the schedule's state is lost, restart "
+                    "the process."))
+                cond.notify_all()
+                return
 
     def _ready(self, a: Action, done: set) -> bool:
         if a.computation_type == OVERLAP_F_B:

@@ -17,6 +17,7 @@ forward again under a tape: less memory held, a forward more of compute.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable
 
 import tensorflow as tf
@@ -26,6 +27,16 @@ from tfdist.device_mesh import DeviceMesh
 from tfdist.tensor._cross_mesh import replicated_on
 
 __all__ = ["PipelineStage", "PipeliningShapeError"]
+
+
+# One rank thread at a time runs eager DTensor ops outside the compiled programs (moving a tensor
+# onto a stage, adding gradients); the programs themselves still run concurrently. TF DTensor's
+# eager op holds its device-wide mutex while it resolves a small input's value on the host
+# (DTensorDevice::Execute -> ExtractSmallTensorValue -> ParallelDevice::AsyncWait, which waits for
+# every pending node), and concurrent eager ops from other ranks' threads then stalled a step for
+# good (stages on sub-meshes of different sizes: up to 3 runs in 3 stalled within 50 steps;
+# docs/design.md, "Pipelining").
+_EAGER_LOCK = threading.Lock()
 
 
 class PipeliningShapeError(RuntimeError):
@@ -177,6 +188,10 @@ class PipelineStage:
     # -- placement ---------------------------------------------------------------------------------
     def place(self, t: Any) -> Any:
         """``t`` moved onto this stage's devices (replicated on a sub-mesh)."""
+        with _EAGER_LOCK:
+            return self._place(t)
+
+    def _place(self, t: Any) -> Any:
         if isinstance(self.device, DeviceMesh):
             mesh = self.device.to_tf()
             if dtensor.is_dtensor(t) and dtensor.fetch_layout(t).mesh == mesh:
@@ -288,7 +303,8 @@ class PipelineStage:
         if inputs:
             self.input_grads[microbatch] = tuple(d_in)
         if weights:
-            self.grads = [g if acc is None else acc + g for acc, g in zip(self.grads, d_w)]
+            with _EAGER_LOCK:
+                self.grads = [g if acc is None else acc + g for acc, g in zip(self.grads, d_w)]
             if inputs or microbatch in self.input_grads:
                 self.inputs.pop(microbatch, None)
 
@@ -303,4 +319,5 @@ class PipelineStage:
 
     def scale_grads(self, divisor: int) -> None:
         if divisor != 1:
-            self.grads = [None if g is None else g / divisor for g in self.grads]
+            with _EAGER_LOCK:
+                self.grads = [None if g is None else g / divisor for g in self.grads]
