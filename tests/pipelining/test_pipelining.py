@@ -134,6 +134,57 @@ def test_backward_uses_the_kept_activations_not_a_second_forward(tmp_path, float
     assert recomputed >= 92 + 20
 
 
+class Scaled(keras.layers.Layer):
+    """A first stage with a keyword input: Dense(x) * scale (+ shift, a Python float)."""
+
+    def __init__(self):
+        super().__init__(name="scaled")
+        self.dense = keras.layers.Dense(8, activation="tanh")
+
+    def call(self, x, scale=None, shift=0.0):
+        return self.dense(x) * scale + shift
+
+
+def _weighted_mse(y, t, weights):
+    return tf.reduce_mean(weights * (y - t) ** 2)
+
+
+@pytest.mark.parametrize("schedule", [ScheduleGPipe, Schedule1F1B, ScheduleZBVZeroBubble])
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["kept", "recomputed"])
+def test_keyword_inputs_and_loss_kwargs_are_split_per_microbatch(float64, schedule, checkpoint):
+    """step(x, target=y, scale=s, shift=0.5, loss_kwargs={"weights": w}): per-example keyword tensors are
+    cut with their microbatch, a Python value goes to every microbatch; gradients and losses equal the
+    whole model's on the whole batch."""
+    scale, weights = RNG.uniform(0.5, 1.5, (16, 1)), RNG.uniform(0.0, 2.0, (16, 1))
+    keras.utils.set_random_seed(3)
+    first, rest = Scaled(), blocks(3)
+    first(X[:1], scale=scale[:1])  # built
+
+    def run_whole():
+        with tf.GradientTape() as tape:
+            h = first(X, scale=scale, shift=0.5)
+            for b in rest:
+                h = b(h)
+            loss = _weighted_mse(h, Y, weights)
+        return loss, tape.gradient(loss, first.trainable_variables + [v for b in rest for v in b.trainable_variables])
+
+    want_loss, want = run_whole()
+    stages = stages_for(schedule, [first] + rest, activation_checkpoint=checkpoint)
+    losses = []
+    schedule(stages, 4, loss_fn=_weighted_mse).step(X, target=Y, losses=losses, scale=scale, shift=0.5,
+                                                    loss_kwargs={"weights": weights})
+    for a, b in zip([g for s in stages for g in s.grads], want):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(np.mean([l.numpy() for l in losses]), want_loss.numpy(), rtol=1e-12)
+    out = schedule(stages, 4).eval(X, scale=scale, shift=0.5)
+    h = first(X, scale=scale, shift=0.5)
+    for b in rest:
+        h = b(h)
+    np.testing.assert_allclose(out.numpy(), h.numpy(), rtol=1e-12)
+    with pytest.raises(TypeError, match="loss_kwargs must be a dict"):
+        schedule(stages, 4, loss_fn=_weighted_mse).step(X, target=Y, scale=scale, loss_kwargs=[weights])
+
+
 def test_unscaled_gradients_are_the_sum_over_microbatches(float64):
     _, want = reference_grads()
     stages = stages_for(ScheduleGPipe, blocks())
@@ -245,9 +296,9 @@ def test_a_stalled_step_raises_naming_the_ranks_and_actions(float64, monkeypatch
     release = threading.Event()
     forward = stages[1].forward_one_chunk
 
-    def stuck(microbatch, args):
+    def stuck(microbatch, args, kwargs=None):
         release.wait(30)  # stands for a rank blocked inside TensorFlow
-        return forward(microbatch, args)
+        return forward(microbatch, args, kwargs)
 
     monkeypatch.setattr(stages[1], "forward_one_chunk", stuck)
     pipe.stall_timeout = 1.0
@@ -270,6 +321,22 @@ def test_eval_is_forward_only(float64, schedule):
     np.testing.assert_allclose(out.numpy(), whole(blocks())(X).numpy(), rtol=1e-12)
     assert all(s.grads[0] is None for s in stages)
     assert all(not s._tapes for s in stages)  # no activations kept for a backward that never comes
+
+
+def test_1f1b_plan_shows_the_run_and_keeps_torchs_exact_plan(float64):
+    """torch's 1F1B plan numbers the last rank's forwards 1..n; pipeline_order shows what runs (each rank's
+    actions, bubbles left out, are its executed order) and torch_pipeline_order is torch's fixture."""
+    stages = stages_for(Schedule1F1B, blocks())
+    pipe = Schedule1F1B(stages, 4, loss_fn=mse)
+    pipe.step(X, target=Y)
+    for r in range(4):
+        assert [str(a) for a in pipe.pipeline_order[r] if a is not None] == [a for a, _, _ in pipe.executed_order[r]]
+    case = next(c for c in CASES if c["schedule"] == "Schedule1F1B" and c["pp"] == 4 and c["n_microbatches"] == 4)
+    torch_plan = {str(r): [None if a is None else str(a) for a in acts] for r, acts in pipe.torch_pipeline_order.items()}
+    assert torch_plan == case["pipeline_order"]
+    assert "3F4" in case["pipeline_order"]["3"] and "3F0" not in case["pipeline_order"]["3"]
+    gpipe = ScheduleGPipe(stages_for(ScheduleGPipe, blocks()), 4, loss_fn=mse)
+    assert gpipe.torch_pipeline_order == gpipe.pipeline_order
 
 
 def test_executed_order_and_text_plan(float64):

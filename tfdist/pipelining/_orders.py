@@ -65,6 +65,16 @@ def one_f_one_b_plan(rank: int, pp: int, n: int) -> Order:
     return with_reduce_grad(actions, n)
 
 
+def one_f_one_b_plan_as_run(rank: int, pp: int, n: int) -> Order:
+    """torch's 1F1B plan, time steps and all, with the microbatch numbers the run executes: a rank
+    without warm-up forwards (the last) runs F0..Fn-1 where torch's plan says F1..Fn."""
+    plan = one_f_one_b_plan(rank, pp, n)
+    if pp - 1 - rank > 0:
+        return plan
+    return [Action(a.stage_index, F, a.microbatch_index - 1) if a is not None and a.computation_type == F else a
+            for a in plan]
+
+
 def one_f_one_b_execution(rank: int, pp: int, n: int) -> Order:
     """What 1F1B runs: ``pp - 1 - rank`` warm-up forwards, then one forward one backward, then the rest."""
     warm = min(pp - 1 - rank, n)

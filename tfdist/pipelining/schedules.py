@@ -119,6 +119,12 @@ class _PipelineSchedule:
     def _execution_order(self) -> dict[int, list[Action | None]]:
         return self.pipeline_order
 
+    @property
+    def torch_pipeline_order(self) -> dict[int, list[Action | None]]:
+        """torch's ``pipeline_order`` for this schedule, for comparison: the same as ``pipeline_order``
+        except for 1F1B, whose torch plan numbers the last rank's forwards 1..n."""
+        return self.pipeline_order
+
     def __str__(self) -> str:
         return format_pipeline_order(self.pipeline_order)
 
@@ -161,22 +167,33 @@ class _PipelineSchedule:
                     )
 
     # -- running -------------------------------------------------------------------------------------
-    def step(self, *args: Any, target: Any = None, losses: list | None = None, **kwargs: Any) -> Any:
+    def step(self, *args: Any, target: Any = None, losses: list | None = None, loss_kwargs: dict | None = None,
+             **kwargs: Any) -> Any:
         """One training iteration on a whole batch: split into microbatches, run the plan, leave the
         gradients in each stage's ``grads``; returns the last stage's merged output.
+
+        ``args`` and ``kwargs`` are the model's positional and keyword inputs (the first stage's),
+        split into microbatches by ``args_chunk_spec`` / ``kwargs_chunk_spec`` (dim 0 by default;
+        anything not a tensor goes to every microbatch). ``loss_kwargs`` are extra keyword
+        arguments of ``loss_fn(output, target, **loss_kwargs)``, split the same way (a per-example
+        weight or mask is cut with its microbatch).
 
         Example::
 
             schedule.step(x, target=y, losses=losses)
+            schedule.step(tokens, target=labels, attention_mask=mask, loss_kwargs={"weights": w})
             optimizer.apply(stage.grads, stage.submod.trainable_variables)
         """
+        if loss_kwargs is not None and not isinstance(loss_kwargs, dict):
+            raise TypeError(f"step(): loss_kwargs must be a dict of keyword arguments for loss_fn. Received: "
+                            f"loss_kwargs={loss_kwargs!r}")
         if self._loss_fn is None:
             raise ValueError("step() trains and needs loss_fn=(output, target) -> loss on the schedule; "
                              "for forward only, call eval().")
         last = self._local.get(self._num_stages - 1)
         if target is None and last is not None:
             raise ValueError("step(): pass target=... for the last stage's loss_fn.")
-        self._run(args, kwargs, target, backward=True)
+        self._run(args, kwargs, target, backward=True, loss_kwargs=loss_kwargs or {})
         if losses is not None and last is not None:
             losses.extend(last.losses[m] for m in range(self._n_microbatches))
         return self._merged_output()
@@ -194,17 +211,17 @@ class _PipelineSchedule:
         self._run(args, kwargs, None, backward=False)
         return self._merged_output()
 
-    def _run(self, args: tuple, kwargs: dict, target: Any, backward: bool) -> None:
+    def _run(self, args: tuple, kwargs: dict, target: Any, backward: bool, loss_kwargs: dict | None = None) -> None:
         n = self._n_microbatches
-        args_split: list = []
+        args_split: list = []  # per microbatch: (positional inputs, keyword inputs) of the first stage
         if 0 in self._local:  # only the first stage's client has the inputs
-            args_split, kwargs_split = split_args_kwargs_into_chunks(
-                args, kwargs, n, self._args_chunk_spec, self._kwargs_chunk_spec)
-            if kwargs_split and kwargs_split[0]:
-                raise ValueError("step(): keyword inputs are not supported by tfdist stages; "
-                                 "pass tensors positionally.")
+            args_split = list(zip(*split_args_kwargs_into_chunks(
+                args, kwargs, n, self._args_chunk_spec, self._kwargs_chunk_spec)))
         last_here = self._num_stages - 1 in self._local
-        targets = split_args_kwargs_into_chunks((target,), {}, n)[0] if target is not None and last_here else None
+        targets = None  # per microbatch: (target, loss_fn's keyword arguments)
+        if target is not None and last_here:
+            split_targets, split_loss_kwargs = split_args_kwargs_into_chunks((target,), loss_kwargs, n)
+            targets = [(t[0], kw) for t, kw in zip(split_targets, split_loss_kwargs)]
         for s in self._local.values():
             s.clear_runtime_states()
             s.record_for_backward = backward  # eval() keeps no activations
@@ -409,17 +426,18 @@ class _PipelineSchedule:
         s, kind, m = a.stage_index, a.computation_type, a.microbatch_index
         stage = self._local[s]
         if kind == F:
+            keywords = {}
             if s == 0:
-                inputs = args_split[m]
+                inputs, keywords = args_split[m]
             elif s - 1 in self._local:
                 inputs = _as_tuple(self._local[s - 1].outputs[m])
             else:  # from another client
                 inputs = self._received.pop((s - 1, "F", m))
-            out = stage.forward_one_chunk(m, tuple(inputs))
+            out = stage.forward_one_chunk(m, tuple(inputs), keywords)
             if stage.is_last:
                 stage.output_chunks.append((m, out))
                 if targets is not None:
-                    stage.compute_loss(m, self._loss_fn, targets[m][0])
+                    stage.compute_loss(m, self._loss_fn, *targets[m])
             return {(s, "F", m)}
         if kind == REDUCE_GRAD:
             stage.scale_grads(self._n_microbatches if self.scale_grads else 1)
@@ -480,8 +498,10 @@ class Schedule1F1B(PipelineScheduleSingle):
     """1F1B: after a warm-up, each rank alternates one forward and one backward, so at most
     ``num_stages - rank`` microbatches are held per stage (GPipe holds all of them).
 
-    ``pipeline_order`` is torch's plan, identical to it; torch 2.13's plan numbers the last rank's
-    forwards 1..n (see ``tfdist.pipelining._orders.one_f_one_b_plan``), the run uses 0..n-1.
+    ``pipeline_order`` is torch's plan with the microbatch numbers the run executes. torch 2.13's
+    own plan numbers the last rank's forwards 1..n (its steady-state counter starts from a warm-up
+    forward that rank does not have), which reads like a bug; it is kept, identical to torch's, as
+    ``torch_pipeline_order``. torch runs 1F1B from its loop, not from that plan, and so does tfdist.
     """
 
     def __init__(self, stage: Any, n_microbatches: int, *args: Any, **kwargs: Any) -> None:
@@ -494,7 +514,14 @@ class Schedule1F1B(PipelineScheduleSingle):
         super().__init__(stage, n_microbatches, *args, **kwargs)
 
     def _plan(self, rank: int) -> list[Action | None]:
-        return _orders.one_f_one_b_plan(rank, self.pp_group_size, self._n_microbatches)
+        return _orders.one_f_one_b_plan_as_run(rank, self.pp_group_size, self._n_microbatches)
+
+    @property
+    def torch_pipeline_order(self) -> dict[int, list[Action | None]]:
+        """torch 2.13's ``pipeline_order`` for this schedule, exactly (the last rank's forwards numbered
+        1..n)."""
+        return {r: _orders.one_f_one_b_plan(r, self.pp_group_size, self._n_microbatches)
+                for r in range(self.pp_group_size)}
 
     def _execution_order(self) -> dict[int, list[Action | None]]:
         return {r: _orders.one_f_one_b_execution(r, self.pp_group_size, self._n_microbatches)

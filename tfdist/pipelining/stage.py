@@ -17,6 +17,7 @@ forward again under a tape: less memory held, a forward more of compute.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any, Callable
 
@@ -156,6 +157,7 @@ class PipelineStage:
     def clear_runtime_states(self) -> None:
         """Drops the microbatch inputs, outputs and gradients kept by the last step (not ``grads``)."""
         self.inputs: dict[int, tuple] = {}
+        self.keywords: dict[int, dict] = {}  # the first stage's keyword inputs per microbatch
         self.outputs: dict[int, Any] = {}
         self.output_grads: dict[int, Any] = {}
         self.input_grads: dict[int, tuple] = {}
@@ -219,28 +221,34 @@ class PipelineStage:
 
     def _forward(self) -> Callable:
         if not self.is_first:
-            return lambda *xs: self.submod(*xs)
+            return lambda *xs, **kw: self.submod(*xs, **kw)
         # TF's backward program of a compiled call computes the gradient of every input it can
-        # reach; the model's input needs none (torch's first stage computes none either).
-        return lambda *xs: self.submod(*(tf.stop_gradient(x) for x in xs))
+        # reach; the model's inputs need none (torch's first stage computes none either).
+        return lambda *xs, **kw: self.submod(*(tf.stop_gradient(x) for x in xs),
+                                             **{k: tf.stop_gradient(v) if tf.is_tensor(v) else v for k, v in kw.items()})
 
-    def forward_one_chunk(self, microbatch: int, args: tuple) -> Any:
-        """Runs the forward of one microbatch; keeps what its backward needs (its activations, or
-        only its input with ``activation_checkpoint``)."""
+    def _place_keywords(self, kwargs: dict | None) -> dict:
+        return {k: self.place(v) if tf.is_tensor(v) else v for k, v in (kwargs or {}).items()}
+
+    def forward_one_chunk(self, microbatch: int, args: tuple, kwargs: dict | None = None) -> Any:
+        """Runs the forward of one microbatch (``kwargs``: the model's keyword inputs, first stage);
+        keeps what its backward needs (its activations, or only its inputs with ``activation_checkpoint``)."""
         args = tuple(self.place(a) for a in args)
+        kwargs = self._place_keywords(kwargs)
         self._expected_in = self._check(args, self._expected_in, "receives",
                                         "its input_args" if self.stage_index == 0 else f"stage {self.stage_index}")
         fn = self._program("forward", self._forward)
         if self.activation_checkpoint or not self.record_for_backward:
-            out = self._run(fn, *args)
+            out = self._run(lambda: fn(*args, **kwargs))
         else:
             tape = tf.GradientTape()
             with tape:
                 for a in () if self.is_first else args:  # the model's input needs no gradient
                     if a.dtype.is_floating or a.dtype.is_complex:
                         tape.watch(a)
-                out = self._run(fn, *args)
+                out = self._run(lambda: fn(*args, **kwargs))
             self._tapes[microbatch] = tape
+        self.keywords[microbatch] = kwargs
         outs = out if isinstance(out, (tuple, list)) else (out,)
         self._expected_out = self._check(tuple(outs), self._expected_out, "outputs", "its output_args")
         self.inputs[microbatch] = args
@@ -248,28 +256,27 @@ class PipelineStage:
         self.peak_held_inputs = max(self.peak_held_inputs, len(self.inputs))
         return out
 
-    def compute_loss(self, microbatch: int, loss_fn: Callable, target: Any) -> tf.Tensor:
-        """The last stage's loss on one microbatch (kept for its backward)."""
+    def compute_loss(self, microbatch: int, loss_fn: Callable, target: Any, loss_kwargs: dict | None = None) -> tf.Tensor:
+        """The last stage's loss on one microbatch, ``loss_fn(output, target, **loss_kwargs)`` (kept for
+        its backward)."""
         target = self.place(target) if target is not None else None
-        fn = self._program("loss", lambda: lambda y, t: loss_fn(y, t))
+        loss_kwargs = self._place_keywords(loss_kwargs)
+        fn = self._program("loss", lambda: lambda y, t, **kw: loss_fn(y, t, **kw))
         tape = self._tapes.get(microbatch)
-        if tape is None:
-            loss = self._run(fn, self.outputs[microbatch], target)
-        else:
-            with tape:  # the loss joins the forward's record: one backward from the loss
-                loss = self._run(fn, self.outputs[microbatch], target)
-        self.losses[microbatch], self.targets[microbatch] = loss, target
+        with tape if tape is not None else contextlib.nullcontext():  # joins the forward's record
+            loss = self._run(lambda: fn(self.outputs[microbatch], target, **loss_kwargs))
+        self.losses[microbatch], self.targets[microbatch] = loss, (target, loss_kwargs)
         return loss
 
     def _recompute(self, loss_fn: Callable | None) -> Callable:
-        def backward(args, target, dy, want_inputs: bool, want_weights: bool):
+        def backward(args, kwargs, target, dy, want_inputs: bool, want_weights: bool):
             variables = self.trainable_variables
             with tf.GradientTape() as tape:
                 for a in args:
                     tape.watch(a)
-                out = self.submod(*args)
+                out = self.submod(*args, **kwargs)
                 if loss_fn is not None:
-                    out = loss_fn(out, target)
+                    out = loss_fn(out, target[0], **target[1])
             sources = (list(args) if want_inputs else []) + (variables if want_weights else [])
             grads = tape.gradient(out, sources, output_gradients=dy,
                                   unconnected_gradients=tf.UnconnectedGradients.ZERO)
@@ -298,8 +305,9 @@ class PipelineStage:
         else:
             key = f"backward-{int(inputs)}{int(weights)}-{int(last)}"
             impl = self._recompute(loss_fn if last else None)
-            fn = self._program(key, lambda: lambda a, t, g: impl(a, t, g, inputs, weights))
-            d_in, d_w = self._run(fn, self.inputs[microbatch], self.targets.get(microbatch) if last else None, dy)
+            fn = self._program(key, lambda: lambda a, kw, t, g: impl(a, kw, t, g, inputs, weights))
+            d_in, d_w = self._run(fn, self.inputs[microbatch], self.keywords[microbatch],
+                                  self.targets.get(microbatch) if last else None, dy)
         if inputs:
             self.input_grads[microbatch] = tuple(d_in)
         if weights:
@@ -307,6 +315,7 @@ class PipelineStage:
                 self.grads = [g if acc is None else acc + g for acc, g in zip(self.grads, d_w)]
             if inputs or microbatch in self.input_grads:
                 self.inputs.pop(microbatch, None)
+                self.keywords.pop(microbatch, None)
 
     def _saved_backward(self, microbatch: int, out: Any, dy: Any) -> tuple[list, list]:
         """Input and weight gradients of one microbatch from the activations its forward kept: TF's
