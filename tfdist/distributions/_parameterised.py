@@ -11,7 +11,7 @@ from tfdist.distributions.distribution import Distribution
 from tfdist.distributions.exp_family import ExponentialFamily
 from tfdist.distributions.utils import broadcast_all
 
-__all__ = ["_two", "_positive_pair", "_one", "_OneParam", "_ProbsLogits", "_Support"]
+__all__ = ["_two", "_positive_pair", "_one", "_OneParam", "_ProbsLogits", "_ParamShape", "_Support"]
 
 
 def clamp_probs(probs: tf.Tensor) -> tf.Tensor:
@@ -87,6 +87,15 @@ def _one(cls_name, param, make, support, *, constraint=constraints.positive, has
         "has_rsample": has_rsample, "_tfp": lambda self: make(getattr(self, param)),
         "__doc__": f"{cls_name}({param}) with torch's parameterisation.",
     })
+
+
+class _ParamShape:
+    """torch's ``param_shape``: the shape of the parameter the distribution was given (``probs`` or
+    ``logits``, broadcast with the others), for the families torch gives it to."""
+
+    @property
+    def param_shape(self) -> tf.TensorShape:
+        return (self._probs_value if self._given == "probs" else self._logits_value).shape
 
 
 class _ProbsLogits(_TFPBacked):

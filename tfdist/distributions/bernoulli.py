@@ -5,14 +5,14 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tfdist.distributions import constraints
-from tfdist.distributions._parameterised import _ProbsLogits
+from tfdist.distributions._parameterised import _ParamShape, _ProbsLogits
 from tfdist.distributions._tfp_backed import tfd
 from tfdist.distributions.exp_family import ExponentialFamily
 
 __all__ = ["Bernoulli"]
 
 
-class Bernoulli(_ProbsLogits, ExponentialFamily):
+class Bernoulli(_ParamShape, _ProbsLogits, ExponentialFamily):
     """Bernoulli(probs=None, logits=None)."""
 
     arg_constraints = {"probs": constraints.unit_interval, "logits": constraints.real}

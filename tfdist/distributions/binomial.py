@@ -5,14 +5,14 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tfdist.distributions import constraints
-from tfdist.distributions._parameterised import _ProbsLogits, _Support
+from tfdist.distributions._parameterised import _ParamShape, _ProbsLogits, _Support
 from tfdist.distributions._tfp_backed import tfd
 from tfdist.distributions.utils import broadcast_all
 
 __all__ = ["Binomial"]
 
 
-class Binomial(_ProbsLogits):
+class Binomial(_ParamShape, _ProbsLogits):
     """Binomial(total_count=1, probs=None, logits=None)."""
 
     arg_constraints = {"total_count": constraints.nonnegative_integer, "probs": constraints.unit_interval,

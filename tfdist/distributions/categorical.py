@@ -5,13 +5,13 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tfdist.distributions import constraints
-from tfdist.distributions._parameterised import _ProbsLogits, clamp_probs
+from tfdist.distributions._parameterised import _ParamShape, _ProbsLogits, clamp_probs
 from tfdist.distributions._tfp_backed import tfd
 
 __all__ = ["Categorical"]
 
 
-class Categorical(_ProbsLogits):
+class Categorical(_ParamShape, _ProbsLogits):
     """Categorical(probs=None, logits=None) over ``{0, ..., K-1}`` (the last dim)."""
 
     arg_constraints = {"probs": constraints.simplex, "logits": constraints.real_vector}

@@ -7,13 +7,13 @@ import math
 import tensorflow as tf
 
 from tfdist.distributions import constraints
-from tfdist.distributions._parameterised import _ProbsLogits, clamp_probs
+from tfdist.distributions._parameterised import _ParamShape, _ProbsLogits, clamp_probs
 from tfdist.distributions._tfp_backed import tfd
 
 __all__ = ["ContinuousBernoulli"]
 
 
-class ContinuousBernoulli(_ProbsLogits):
+class ContinuousBernoulli(_ParamShape, _ProbsLogits):
     """ContinuousBernoulli(probs|logits, lims=(0.499, 0.501)): torch's values, Taylor-expanded inside ``lims``."""
 
     arg_constraints = {"probs": constraints.unit_interval, "logits": constraints.real}

@@ -26,3 +26,7 @@ class HalfCauchy(_HalfCauchy):
     @property
     def variance(self):
         return tf.zeros_like(self.scale) + float("inf")
+
+    def icdf(self, prob):
+        """The value below which the distribution puts probability ``prob`` (torch names it ``prob``)."""
+        return super().icdf(prob)

@@ -9,4 +9,12 @@ from tfdist.distributions._tfp_backed import tfd
 __all__ = ["HalfNormal"]
 
 
-HalfNormal = _one("HalfNormal", "scale", lambda s: tfd().HalfNormal(s), constraints.nonnegative)
+_HalfNormal = _one("HalfNormal", "scale", lambda s: tfd().HalfNormal(s), constraints.nonnegative)
+
+
+class HalfNormal(_HalfNormal):
+    __doc__ = _HalfNormal.__doc__
+
+    def icdf(self, prob):
+        """The value below which the distribution puts probability ``prob`` (torch names it ``prob``)."""
+        return super().icdf(prob)

@@ -38,6 +38,27 @@ class LowRankMultivariateNormal(_TFPBacked):
     def covariance_matrix(self):
         return tf.matmul(self.cov_factor, self.cov_factor, transpose_b=True) + tf.linalg.diag(self.cov_diag)
 
+    @property
+    def scale_tril(self):
+        """Lower Cholesky factor of the covariance, as torch forms it: D^1/2 chol(I + D^-1/2 W W^T D^-1/2)."""
+        n = int(self.loc.shape[-1])
+        sqrt_d = tf.sqrt(self.cov_diag)[..., None]
+        w = self.cov_factor / sqrt_d
+        k = tf.matmul(w, w, transpose_b=True) + tf.eye(n, dtype=w.dtype)
+        return self._expand_matrix(sqrt_d * tf.linalg.cholesky(k))
+
+    @property
+    def precision_matrix(self):
+        """Inverse covariance by Woodbury, as torch: D^-1 - A^T A, A = chol(I + W^T D^-1 W)^-1 W^T D^-1."""
+        m = int(self.cov_factor.shape[-1])
+        wt_dinv = tf.linalg.matrix_transpose(self.cov_factor) / self.cov_diag[..., None, :]
+        capacitance = tf.matmul(wt_dinv, self.cov_factor) + tf.eye(m, dtype=self.loc.dtype)
+        a = tf.linalg.triangular_solve(tf.linalg.cholesky(capacitance), wt_dinv, lower=True)
+        return self._expand_matrix(tf.linalg.diag(1.0 / self.cov_diag) - tf.matmul(a, a, transpose_a=True))
+
+    def _expand_matrix(self, m):
+        return tf.broadcast_to(m, self.batch_shape.concatenate(self.event_shape).concatenate(self.event_shape))
+
     def _tfp(self):
         return tfd().MultivariateNormalTriL(self.loc, tf.linalg.cholesky(self.covariance_matrix))
 

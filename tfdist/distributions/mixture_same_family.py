@@ -42,17 +42,17 @@ class MixtureSameFamily(Distribution):
         return MixtureSameFamily(self.mixture_distribution.expand(batch_shape),
                                  self.component_distribution.expand(batch_shape.concatenate([k])))
 
-    def log_prob(self, value):
-        value = tf.convert_to_tensor(value)
+    def log_prob(self, x):
+        x = tf.convert_to_tensor(x)
         event = len(self.event_shape)
-        x = tf.expand_dims(value, axis=value.shape.rank - event)  # over the component dim
+        x = tf.expand_dims(x, axis=x.shape.rank - event)  # over the component dim
         comp = self.component_distribution.log_prob(x)
         return tf.reduce_logsumexp(comp + tf.nn.log_softmax(self.mixture_distribution.logits, -1), axis=-1)
 
-    def cdf(self, value):
+    def cdf(self, x):
         """The mixture-weighted sum of the components' cdfs (univariate components, as torch)."""
-        value = tf.convert_to_tensor(value)
-        x = tf.expand_dims(value, axis=value.shape.rank - len(self.event_shape))  # over the component dim
+        x = tf.convert_to_tensor(x)
+        x = tf.expand_dims(x, axis=x.shape.rank - len(self.event_shape))  # over the component dim
         return tf.reduce_sum(self.component_distribution.cdf(x) * self.mixture_distribution.probs, axis=-1)
 
     def sample(self, sample_shape=()):

@@ -33,6 +33,15 @@ class Multinomial(Distribution):
     def probs(self):
         return self._categorical.probs
 
+    @property
+    def logits(self):
+        """The normalised log-probabilities of the categories (torch's ``Multinomial.logits``)."""
+        return self._categorical.logits
+
+    @property
+    def param_shape(self) -> tf.TensorShape:
+        return self._categorical.param_shape
+
     def _tfp(self):
         return tfd().Multinomial(total_count=float(self.total_count), logits=self._categorical.logits)
 

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from tfdist.distributions import constraints
-from tfdist.distributions._parameterised import _ProbsLogits
+from tfdist.distributions._parameterised import _ParamShape, _ProbsLogits
 from tfdist.distributions._tfp_backed import tfd
 from tfdist.distributions.utils import broadcast_all
 
 __all__ = ["NegativeBinomial"]
 
 
-class NegativeBinomial(_ProbsLogits):
+class NegativeBinomial(_ParamShape, _ProbsLogits):
     """NegativeBinomial(total_count, probs|logits): successes before ``total_count`` failures."""
 
     arg_constraints = {"total_count": constraints.greater_than_eq(0.0), "probs": constraints.half_open_interval(0.0, 1.0),

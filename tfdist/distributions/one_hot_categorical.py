@@ -31,6 +31,10 @@ class OneHotCategorical(Distribution):
     def logits(self):
         return self._categorical.logits
 
+    @property
+    def param_shape(self) -> tf.TensorShape:
+        return self._categorical.param_shape
+
     def sample(self, sample_shape=()):
         idx = self._categorical.sample(sample_shape)
         return tf.one_hot(idx, self.event_shape[0], dtype=self.probs.dtype)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tfdist.distributions import constraints
-from tfdist.distributions._parameterised import _ProbsLogits
+from tfdist.distributions._parameterised import _ParamShape, _ProbsLogits
 from tfdist.distributions._tfp_backed import tfd
 from tfdist.distributions.utils import as_shape
 
@@ -39,7 +39,7 @@ class RelaxedBernoulli(_Relaxed):
         return tfd().RelaxedBernoulli(self.temperature, logits=self.logits)
 
 
-class LogitRelaxedBernoulli(_Relaxed):
+class LogitRelaxedBernoulli(_ParamShape, _Relaxed):
     """LogitRelaxedBernoulli(temperature, probs|logits): the logit of a RelaxedBernoulli sample."""
 
     arg_constraints = {"probs": constraints.unit_interval, "logits": constraints.real}

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import warnings
 
+import numpy as np
 import tensorflow as tf
 
 from tfdist.distributions import constraints, distribution
@@ -49,6 +51,12 @@ class Wishart(_TFPBacked):
     @property
     def covariance_matrix(self):
         return tf.matmul(self.scale_tril, self.scale_tril, transpose_b=True)
+
+    @property
+    def precision_matrix(self):
+        """The inverse of ``covariance_matrix``, from its Cholesky factor (torch's ``cholesky_solve``)."""
+        eye = tf.eye(self._p, batch_shape=self.scale_tril.shape[:-2], dtype=self.scale_tril.dtype)
+        return tf.linalg.cholesky_solve(self.scale_tril, eye)
 
     # torch's closed forms, written out because TFP's WishartTriL refuses p - 1 < df < p, which
     # torch (and the distribution) allow.
@@ -100,15 +108,38 @@ class Wishart(_TFPBacked):
     def icdf(self, value):
         raise NotImplementedError  # as torch
 
-    def rsample(self, sample_shape=()):
+    def rsample(self, sample_shape=(), max_try_correction=None):
         """Bartlett decomposition (as torch): L A A^T L^T, A lower triangular with sqrt(chi2(df - i))
-        on the diagonal and standard normals below it; valid for every df > p - 1."""
+        on the diagonal and standard normals below it; valid for every df > p - 1.
+
+        A sample that comes out singular in floating point (not positive definite) is drawn again,
+        up to ``max_try_correction`` times (torch's default: 10, or 3 inside a traced function);
+        one still singular after that is returned with a warning, as torch does.
+        """
+        if max_try_correction is None:
+            max_try_correction = 10 if tf.executing_eagerly() else 3
+        if isinstance(max_try_correction, bool) or not isinstance(max_try_correction, int) or max_try_correction < 0:
+            raise ValueError("max_try_correction must be a non-negative int or None. Received: "
+                             f"max_try_correction={max_try_correction!r}")
         shape = as_shape(sample_shape).concatenate(self.batch_shape)
+        sample = self._bartlett(shape)
+        for _ in range(max_try_correction):
+            singular = tf.reduce_any(tf.linalg.eigvalsh(sample) <= 0, axis=-1)[..., None, None]
+            if tf.executing_eagerly() and not bool(tf.reduce_any(singular)):
+                return sample
+            sample = tf.where(singular, self._bartlett(shape), sample)
+        if tf.executing_eagerly() and bool(tf.reduce_any(tf.linalg.eigvalsh(sample) <= 0)):
+            warnings.warn(f"Wishart.rsample: singular samples remain after max_try_correction={max_try_correction} "
+                          "draws; their log_prob is -inf. Check df or raise max_try_correction.", stacklevel=2)
+        return sample
+
+    def _bartlett(self, shape):
         p, dtype = self._p, self.df.dtype
         dof = tf.broadcast_to(self.df, shape)[..., None] - tf.range(p, dtype=dtype)
         chi2 = 2.0 * tf.random.gamma([], dof / 2, dtype=dtype)
+        eps = float(np.finfo(dtype.as_numpy_dtype).eps)
         noise = tf.linalg.band_part(tf.random.normal(shape.concatenate([p, p]), dtype=dtype), -1, 0)
-        a = tf.linalg.set_diag(noise, tf.sqrt(chi2))
+        a = tf.linalg.set_diag(noise, tf.maximum(tf.sqrt(chi2), eps))  # torch clamps it above eps too
         la = tf.matmul(self.scale_tril, a)
         return tf.matmul(la, la, transpose_b=True)
 
