@@ -62,3 +62,21 @@ class Categorical(_ParamShape, _ProbsLogits):
     @property
     def variance(self):
         return tf.fill(self.batch_shape, tf.constant(float("nan"), self.probs.dtype))
+
+
+class _OverCategorical:
+    """For distributions built on a ``Categorical`` (``self._categorical``): its ``probs``, ``logits``
+    and ``param_shape`` are theirs (Multinomial, OneHotCategorical)."""
+
+    @property
+    def probs(self):
+        return self._categorical.probs
+
+    @property
+    def logits(self):
+        """The normalised log-probabilities of the categories."""
+        return self._categorical.logits
+
+    @property
+    def param_shape(self) -> tf.TensorShape:
+        return self._categorical.param_shape

@@ -6,14 +6,14 @@ import tensorflow as tf
 
 from tfdist.distributions import constraints
 from tfdist.distributions._tfp_backed import tfd
-from tfdist.distributions.categorical import Categorical
+from tfdist.distributions.categorical import Categorical, _OverCategorical
 from tfdist.distributions.distribution import Distribution
 from tfdist.distributions.utils import as_shape
 
 __all__ = ["Multinomial"]
 
 
-class Multinomial(Distribution):
+class Multinomial(_OverCategorical, Distribution):
     """Multinomial(total_count=1, probs|logits): counts over K categories."""
 
     arg_constraints = {"probs": constraints.simplex, "logits": constraints.real_vector}
@@ -28,19 +28,6 @@ class Multinomial(Distribution):
     @property
     def support(self):
         return constraints.multinomial(self.total_count)
-
-    @property
-    def probs(self):
-        return self._categorical.probs
-
-    @property
-    def logits(self):
-        """The normalised log-probabilities of the categories (torch's ``Multinomial.logits``)."""
-        return self._categorical.logits
-
-    @property
-    def param_shape(self) -> tf.TensorShape:
-        return self._categorical.param_shape
 
     def _tfp(self):
         return tfd().Multinomial(total_count=float(self.total_count), logits=self._categorical.logits)

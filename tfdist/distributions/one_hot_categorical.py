@@ -5,13 +5,13 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tfdist.distributions import constraints
-from tfdist.distributions.categorical import Categorical
+from tfdist.distributions.categorical import Categorical, _OverCategorical
 from tfdist.distributions.distribution import Distribution
 
 __all__ = ["OneHotCategorical", "OneHotCategoricalStraightThrough"]
 
 
-class OneHotCategorical(Distribution):
+class OneHotCategorical(_OverCategorical, Distribution):
     """OneHotCategorical(probs|logits): one-hot vectors of length K."""
 
     arg_constraints = {"probs": constraints.simplex, "logits": constraints.real_vector}
@@ -22,18 +22,6 @@ class OneHotCategorical(Distribution):
         self._categorical = Categorical(probs=probs, logits=logits, validate_args=validate_args)
         k = self._categorical._num_events
         super().__init__(self._categorical.batch_shape, (k,), validate_args)
-
-    @property
-    def probs(self):
-        return self._categorical.probs
-
-    @property
-    def logits(self):
-        return self._categorical.logits
-
-    @property
-    def param_shape(self) -> tf.TensorShape:
-        return self._categorical.param_shape
 
     def sample(self, sample_shape=()):
         idx = self._categorical.sample(sample_shape)
