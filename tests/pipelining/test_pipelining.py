@@ -226,7 +226,8 @@ def test_tensor_parallel_stages_train_like_the_unpipelined_model(float64, schedu
 
 def test_stages_on_sub_meshes_of_different_sizes(float64):
     """2-way TP -> 4-way TP -> 2-way TP: activations move onto a larger mesh and gradients back, which TF
-    DTensor's own copy to a larger mesh cannot do (docs/tf_dtensor_repros/copy_to_larger_mesh_hangs.py)."""
+    DTensor's own copy to a larger mesh cannot do (docs/tf_dtensor_repros/copy_to_larger_mesh_hangs.py).
+    One thread per rank, as by default (the 50-step stall runs below are in the slow suite)."""
     ref = whole(blocks(3))
     parts = blocks(3)
     stages = []
