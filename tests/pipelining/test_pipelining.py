@@ -338,6 +338,13 @@ def test_1f1b_plan_shows_the_run_and_keeps_torchs_exact_plan(float64):
     assert "3F4" in case["pipeline_order"]["3"] and "3F0" not in case["pipeline_order"]["3"]
     gpipe = ScheduleGPipe(stages_for(ScheduleGPipe, blocks()), 4, loss_fn=mse)
     assert gpipe.torch_pipeline_order == gpipe.pipeline_order
+    # the run follows pipeline_order: its actions are 1F1B's loop (warm-up forwards, pairs, cool-down
+    # backwards) for every size, written out independently in _orders.one_f_one_b_execution
+    for p in range(2, 6):
+        for m in range(p, p + 6):
+            for r in range(p):
+                assert ([a for a in _orders.one_f_one_b_plan_as_run(r, p, m) if a is not None]
+                        == _orders.one_f_one_b_execution(r, p, m)), (p, m, r)
 
 
 def test_executed_order_and_text_plan(float64):

@@ -501,7 +501,8 @@ class Schedule1F1B(PipelineScheduleSingle):
     ``pipeline_order`` is torch's plan with the microbatch numbers the run executes. torch 2.13's
     own plan numbers the last rank's forwards 1..n (its steady-state counter starts from a warm-up
     forward that rank does not have), which reads like a bug; it is kept, identical to torch's, as
-    ``torch_pipeline_order``. torch runs 1F1B from its loop, not from that plan, and so does tfdist.
+    ``torch_pipeline_order``. torch runs 1F1B from its loop, not from that plan; tfdist runs
+    ``pipeline_order``, whose order is that loop's.
     """
 
     def __init__(self, stage: Any, n_microbatches: int, *args: Any, **kwargs: Any) -> None:
@@ -521,10 +522,6 @@ class Schedule1F1B(PipelineScheduleSingle):
         """torch 2.13's ``pipeline_order`` for this schedule, exactly (the last rank's forwards numbered
         1..n)."""
         return {r: _orders.one_f_one_b_plan(r, self.pp_group_size, self._n_microbatches)
-                for r in range(self.pp_group_size)}
-
-    def _execution_order(self) -> dict[int, list[Action | None]]:
-        return {r: _orders.one_f_one_b_execution(r, self.pp_group_size, self._n_microbatches)
                 for r in range(self.pp_group_size)}
 
 
