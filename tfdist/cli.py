@@ -42,97 +42,21 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    # lazy: TensorFlow loads only for the command that needs it
-    import numpy as np
-    import tensorflow as tf
+    from tfdist._demo import run_demo  # lazy: TensorFlow loads only for the command that needs it
 
-    import tfdist
-
-    tfdist.virtual_cpus(8)
-    from tfdist.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-    from tfdist.tensor.debug import explain_redistribute, visualize_sharding
-
-    mesh = tfdist.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
-    print(f"mesh: {mesh}\n")
-    x = np.arange(6 * 8, dtype=np.float32).reshape(6, 8)
-    a = distribute_tensor(x, mesh, [Shard(0), Shard(1)])
-    visualize_sharding(a, header="== distribute_tensor(x[6, 8], mesh, [Shard(0), Shard(1)])")
-
-    def move(src: DTensor, placements, title: str) -> DTensor:
-        steps = explain_redistribute(src, mesh, placements)
-        out = src.redistribute(mesh, placements)
-        print(f"\n== {title}")
-        for step in steps:
-            print(f"   {step}")
-        visualize_sharding(out)
-        np.testing.assert_allclose(out.numpy(), src.numpy())
-        return out
-
-    b = move(a, [Replicate(), Shard(0)], "redistribute -> [Replicate(), Shard(0)]")
-    move(b, [Replicate(), Replicate()], "redistribute -> [Replicate(), Replicate()]")
-    move(a, [Shard(1), Shard(0)], "redistribute -> [Shard(1), Shard(0)] (uneven: 6 rows on 4 devices)")
-
-    # Device (dp, tp) holds the value tp: replicas along dp agree, as they must.
-    parts = [tf.fill((2, 8), float(i % 4)) for i in range(8)]
-    p = DTensor.from_local(parts, mesh, [Replicate(), Partial("sum")])
-    print("\n== DTensor.from_local(device (dp, tp) holds tp, [Replicate(), Partial('sum')])")
-    visualize_sharding(p)
-    r = move(p, [Replicate(), Shard(0)], "redistribute Partial -> Shard(0)")
-    print(f"   value: {r.numpy()[0, 0]:.0f} = 0+1+2+3")
-
-    w = distribute_tensor(np.ones((8, 4), np.float32), mesh, [Replicate(), Shard(0)])
-    h = distribute_tensor(np.ones((6, 8), np.float32), mesh, [Shard(0), Shard(1)])
-
-    @tf.function
-    def step(h, w):
-        return tf.nn.relu(tf.matmul(h, w))
-
-    y = step(h, w)
-    print(f"\n== tf.function matmul, contraction dim sharded on tp: result {y.placements}, "
-          f"value {y.numpy()[0, 0]:.0f} (= 8)")
-    if not args.skip_keras:
-        _demo_gpt(mesh)
+    run_demo(args.mesh, steps=args.steps, out_dir=args.out, skip_keras=args.skip_keras)
     return 0
 
 
-def _demo_gpt(mesh) -> None:
-    """A GPT-style Keras model trained with model.fit, tensor parallel on tp, data parallel on dp."""
-    # lazy: Keras loads only when the Keras part of the demo runs
-    import keras
-    import numpy as np
-    import tensorflow as tf
-
-    from tfdist.keras import _variables
-    from tfdist.models import GPT, parallelize_gpt
-    from tfdist.tensor.debug import CommDebugMode
-
-    vocab, seq = 64, 16
-    keras.utils.set_random_seed(0)
-    model = GPT(vocab, seq, dim=32, heads=4, depth=2)
-    parallelize_gpt(model, mesh)
-    model.compile(optimizer=keras.optimizers.Adam(3e-3),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    rng = np.random.default_rng(0)
-    x = rng.integers(0, vocab, (256, seq))
-    y = (x + 1) % vocab  # learnable: predict the next token id
-    print(f"\n== Keras 3 GPT (2 blocks, {vocab}-token vocab) on {mesh.axis_names} = {mesh.shape}: "
-          "tensor parallel on tp, batches split over dp")
-    history = model.fit(x, y, batch_size=32, epochs=4, verbose=0)
-    losses = ", ".join(f"{v:.3f}" for v in history.history["loss"])
-    print(f"   model.fit loss per epoch: {losses}")
-    print("   weight                               shape        layout (mesh dims per tensor dim)")
-    for variable in (model.tok.embeddings, model.blocks[0].attn._query_dense.kernel,
-                     model.blocks[0].mlp.up.kernel, model.blocks[0].mlp.down.kernel, model.head.kernel):
-        specs = _variables.layout_of(variable._value).sharding_specs
-        print(f"   {variable.path:<36} {str(tuple(variable.shape)):<12} {specs}")
-    step = model.make_train_function()
-    from tfdist.keras import _data
-
-    batch = _data.shard_batch((tf.constant(x[:32]), tf.constant(y[:32])), mesh, 0)
-    data = iter([batch])
-    with CommDebugMode() as comm:
-        step(data)
-    print(f"   collectives in one train step (per device, as TF ran them): {comm.get_comm_counts()}")
+def _mesh_shape(text: str) -> tuple[int, int]:
+    """``"2x4"`` -> (2, 4): the demo's (dp, tp) mesh of 8 devices."""
+    try:
+        dp, tp = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--mesh takes DPxTP, e.g. 2x4 or 4x2; got {text!r}") from None
+    if dp < 1 or tp < 1 or dp * tp != 8:
+        raise argparse.ArgumentTypeError(f"--mesh must multiply to 8 devices (2x4, 4x2, 1x8, 8x1); got {text!r}")
+    return dp, tp
 
 
 def _version() -> str:
@@ -159,8 +83,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verbose", action="store_true", help="show TensorFlow's own log lines (quiet by default)")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("run", help="start a multi-client program, torchrun-style (see tfdist run --help)")
-    demo = sub.add_parser("demo", help="DTensor basics, then a Keras GPT trained with model.fit, on 8 virtual CPUs")
-    demo.add_argument("--skip-keras", action="store_true", help="only the DTensor part")
+    demo = sub.add_parser("demo", help="DTensor, a GPT trained with model.fit (TP x FSDP), a checkpoint loaded "
+                          "on other meshes, a pipeline schedule; on 8 virtual CPUs, about two minutes",
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    demo.add_argument("--mesh", type=_mesh_shape, default=(2, 4), metavar="DPxTP",
+                      help="the (dp, tp) mesh of the 8 devices")
+    demo.add_argument("--steps", type=int, default=100, help="training steps of the GPT (5 epochs)")
+    demo.add_argument("--out", default="tfdist-demo", help="folder for the pictures and the checkpoint")
+    demo.add_argument("--skip-keras", action="store_true", help="skip the GPT and the checkpoint")
     demo.set_defaults(func=_demo)
     info = sub.add_parser("info", help="devices, device type, clients, TF/Keras versions")
     info.add_argument("--virtual-cpus", type=int, default=0, help="split the CPU into N devices first")
