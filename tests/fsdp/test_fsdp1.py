@@ -14,7 +14,9 @@ from keras_helpers import DenseAdam, float64, max_weight_diff, no_global_distrib
 from tfdist.fsdp import (
     CPUOffload, FSDPModule, FullyShardedDataParallel as FSDP, MixedPrecision, ShardingStrategy, fully_shard,
 )
-from tfdist.fsdp.wrap import ModuleWrapPolicy, always_wrap_policy, size_based_auto_wrap_policy
+from tfdist.fsdp.wrap import (
+    CustomPolicy, ModuleWrapPolicy, always_wrap_policy, size_based_auto_wrap_policy, transformer_auto_wrap_policy,
+)
 from tfdist.keras._data import gather_to_numpy
 from tfdist.models import GPT
 from tfdist.models.gpt import Block
@@ -87,6 +89,31 @@ def test_wrap_policies_choose_units():
     assert isinstance(every.blocks[0].mlp.up, FSDP) and isinstance(every.head, FSDP)
     with pytest.raises(ValueError, match="layer classes"):
         ModuleWrapPolicy([])
+
+
+def test_transformer_and_custom_policies_choose_units_and_their_arguments(float64):
+    """torch's function policy wraps the blocks; a CustomPolicy dict gives block 0 its own strategy (NO_SHARD:
+    whole kernels on every device) while block 1 keeps the root's FULL_SHARD; training equals one device's."""
+    blocks = FSDP(make_gpt(), auto_wrap_policy=functools.partial(transformer_auto_wrap_policy,
+                                                                 transformer_layer_cls={Block}), device_mesh=mesh8())
+    assert all(isinstance(b, FSDP) for b in blocks.blocks) and not isinstance(blocks.head, FSDP)
+
+    ref_loss = fit(ref := make_gpt())
+    gpt = make_gpt()
+    first = gpt.blocks[0]
+    policy = CustomPolicy(lambda layer: {"sharding_strategy": ShardingStrategy.NO_SHARD} if layer is first
+                          else isinstance(layer, Block))
+    model = FSDP(gpt, auto_wrap_policy=policy, device_mesh=mesh8())
+    assert all(isinstance(b, FSDP) for b in model.blocks)
+    local = [tf.experimental.dtensor.unpack(b.mlp.up.kernel._value.read_value())[0].shape[0] for b in model.blocks]
+    assert local == [16, 2]  # 16 rows whole on block 0, 16 / 8 on block 1
+    np.testing.assert_allclose(fit(model), ref_loss, rtol=1e-6)
+    assert max_weight_diff(ref, model) < 1e-11
+    with pytest.raises(ValueError, match="got FSDP arguments \\['reshard_after_forward'\\]"):
+        FSDP(make_gpt(), auto_wrap_policy=CustomPolicy(lambda layer: {"reshard_after_forward": True}),
+             device_mesh=mesh8())
+    with pytest.raises(TypeError, match="return a bool or a dict"):
+        FSDP(make_gpt(), auto_wrap_policy=CustomPolicy(lambda layer: "yes"), device_mesh=mesh8())
 
 
 def test_clip_grad_norm_matches_numpy():

@@ -14,6 +14,7 @@ import tensorflow as tf
 
 from keras_helpers import float64, no_global_distribution  # noqa: F401
 from tfdist.pipelining import Schedule1F1B, ScheduleGPipe, SplitPoint, pipe_split, pipeline
+from tfdist.pipelining.stage import build_stage
 
 RNG = np.random.default_rng(1)
 X, Y = RNG.standard_normal((16, 8)), RNG.standard_normal((16, 8))
@@ -117,7 +118,8 @@ def test_a_functional_skip_connection_crosses_the_cut(float64):
     pipe = pipeline(model, (X[:8],), split_spec={"b": SplitPoint.END})
     assert [[l.name for l in pipe.get_stage_module(i).layers] for i in range(2)] == [["a", "b"], ["c", "add"]]
     assert [len(s) for s in pipe.info().stage_inputs] == [1, 2]  # b's output and the skip from a
-    stages = [pipe.build_stage(i, f"CPU:{i}") for i in range(2)]
+    # torch's function form at its path, tfdist.pipelining.stage.build_stage, as torch's tracer-built stages use it
+    stages = [build_stage(pipe.get_stage_module(i), i, pipe.info(), f"CPU:{i}") for i in range(2)]
     ScheduleGPipe(stages, 2, loss_fn=mse).step(X, target=Y)
     got = grads_by_variable(stages)
     for v, g in zip(model.trainable_variables, want):

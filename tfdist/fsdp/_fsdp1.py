@@ -173,8 +173,14 @@ def _strategy_args(strategy: ShardingStrategy) -> dict:
     return {"reshard_after_forward": strategy == ShardingStrategy.FULL_SHARD}
 
 
-def _units(modules, module: Any, policy: Callable | None) -> list[Any]:
-    """The sublayers ``policy`` makes their own unit, children before parents."""
+_UNIT_ARGS = {"sharding_strategy", "mixed_precision"}  # what a CustomPolicy dict may set per unit
+_NO_TF_MEANING = {"backward_prefetch", "forward_prefetch", "limit_all_gathers", "use_orig_params", "device_id",
+                  "sync_module_states", "param_init_fn"}
+
+
+def _units(modules, module: Any, policy: Callable | None) -> list[tuple[Any, dict]]:
+    """The sublayers ``policy`` makes their own unit, children before parents, each with the FSDP1
+    arguments it overrides (a ``CustomPolicy`` may return a dict)."""
     if policy is None:
         return []
     layers = [layer for _, layer in modules.named_layers(module) if modules.is_built(layer)]
@@ -185,8 +191,14 @@ def _units(modules, module: Any, policy: Callable | None) -> list[Any]:
                for v in modules.weights(sub).values() if modules.is_trainable(v)]
         free = [v for v in own if id(v) not in grouped]
         numel = sum(int(math.prod(v.shape)) for v in free)
-        if free and policy(module=layer, recurse=False, nonwrapped_numel=numel):
-            units.append(layer)
+        decision = policy(module=layer, recurse=False, nonwrapped_numel=numel) if free else False
+        if decision:
+            overrides = dict(decision) if isinstance(decision, dict) else {}
+            unknown = set(overrides) - _UNIT_ARGS - _NO_TF_MEANING
+            if unknown:
+                raise ValueError(f"auto_wrap_policy: layer {modules.layer_name(layer)!r} got FSDP arguments "
+                                 f"{sorted(unknown)}; a unit may set {sorted(_UNIT_ARGS | _NO_TF_MEANING)}.")
+            units.append((layer, {k: v for k, v in overrides.items() if k in _UNIT_ARGS}))
             grouped |= {id(v) for v in free}
     return units
 
@@ -246,10 +258,12 @@ class FullyShardedDataParallel(metaclass=_FSDP1Meta):
         ignored += list(ignored_states or ())
         mp = mixed_precision or MixedPrecision()
         units = _units(modules, module, auto_wrap_policy)
-        for unit in units:
-            fully_shard(unit, mesh=device_mesh, mp_policy=mp.policy, ignored_params=ignored, **args)
+        for unit, overrides in units:
+            unit_mp = overrides.get("mixed_precision") or mp
+            unit_args = _strategy_args(overrides.get("sharding_strategy", strategy))
+            fully_shard(unit, mesh=device_mesh, mp_policy=unit_mp.policy, ignored_params=ignored, **unit_args)
         fully_shard(module, mesh=device_mesh, mp_policy=mp.root_policy, ignored_params=ignored, **args)
-        for layer in units + [module]:
+        for layer in [unit for unit, _ in units] + [module]:
             layer.__class__ = fsdp_class(type(layer), (_FSDP1Methods,))
             _registry.module(layer).fsdp1_root = layer is module
         return module

@@ -7,9 +7,10 @@ the elements of the layer's trainable variables that no wrapped sublayer holds.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
-__all__ = ["ModuleWrapPolicy", "size_based_auto_wrap_policy", "always_wrap_policy"]
+__all__ = ["ModuleWrapPolicy", "CustomPolicy", "size_based_auto_wrap_policy", "transformer_auto_wrap_policy",
+           "always_wrap_policy"]
 
 
 class ModuleWrapPolicy:
@@ -28,6 +29,45 @@ class ModuleWrapPolicy:
 
     def __call__(self, module: Any, recurse: bool, nonwrapped_numel: int) -> bool:
         return recurse or isinstance(module, self.module_classes)
+
+
+class CustomPolicy:
+    """Wraps the layers ``lambda_fn(layer)`` picks; a dict instead of True gives that unit its own
+    FSDP1 arguments (``sharding_strategy``, ``mixed_precision``), overriding the root's, as in torch.
+
+    Example::
+
+        policy = CustomPolicy(lambda layer: {"sharding_strategy": ShardingStrategy.SHARD_GRAD_OP}
+                              if isinstance(layer, Block) else False)
+        FullyShardedDataParallel(model, auto_wrap_policy=policy)
+    """
+
+    def __init__(self, lambda_fn: Callable[[Any], bool | dict[str, Any]]) -> None:
+        if not callable(lambda_fn):
+            raise TypeError(f"CustomPolicy needs a callable taking a layer. Received: lambda_fn={lambda_fn!r}")
+        self._lambda_fn = lambda_fn
+
+    def __call__(self, module: Any, recurse: bool, nonwrapped_numel: int) -> bool | dict[str, Any]:
+        if recurse:
+            return True
+        decision = self._lambda_fn(module)
+        if not isinstance(decision, (bool, dict)):
+            raise TypeError(f"CustomPolicy: lambda_fn must return a bool or a dict of FSDP arguments; it returned "
+                            f"{decision!r} for layer {getattr(module, 'name', module)!r}.")
+        return decision
+
+
+def transformer_auto_wrap_policy(
+    module: Any, recurse: bool, nonwrapped_numel: int, transformer_layer_cls: Iterable[type] = (),
+) -> bool:
+    """Wraps every layer whose class is in ``transformer_layer_cls`` (torch's function form of
+    ``ModuleWrapPolicy``).
+
+    Example::
+
+        policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
+    """
+    return recurse or isinstance(module, tuple(transformer_layer_cls))
 
 
 def size_based_auto_wrap_policy(

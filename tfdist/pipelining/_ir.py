@@ -22,7 +22,7 @@ import keras
 import tensorflow as tf
 
 from tfdist.pipelining import _graph_split
-from tfdist.pipelining.stage import PipelineStage
+from tfdist.pipelining.stage import PipelineStage, build_stage
 
 __all__ = ["SplitPoint", "pipe_split", "pipeline", "Pipe", "PipeInfo", "build_stage"]
 
@@ -218,16 +218,3 @@ def pipeline(module: Any, mb_args: tuple, mb_kwargs: dict | None = None,
         outputs.append(tuple(tf.TensorSpec(a.shape, a.dtype) for a in ys))
         x = ys
     return Pipe(modules, PipeInfo(len(modules), inputs, outputs))
-
-
-def build_stage(stage_module: Any, stage_index: int, pipe_info: PipeInfo, device: Any,
-                group: Any = None) -> PipelineStage:
-    """A PipelineStage for one of a Pipe's stage modules, with the shapes ``pipe_info`` recorded.
-
-    Example::
-
-        stage = build_stage(pipe.get_stage_module(0), 0, pipe.info(), device="CPU:0")
-    """
-    return PipelineStage(stage_module, stage_index, pipe_info.num_stages, device,
-                         input_args=pipe_info.stage_inputs[stage_index],
-                         output_args=pipe_info.stage_outputs[stage_index], group=group)

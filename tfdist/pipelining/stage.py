@@ -27,7 +27,7 @@ from tensorflow.experimental import dtensor
 from tfdist.device_mesh import DeviceMesh
 from tfdist.tensor._cross_mesh import replicated_on
 
-__all__ = ["PipelineStage", "PipeliningShapeError"]
+__all__ = ["PipelineStage", "PipeliningShapeError", "build_stage"]
 
 
 # One rank thread at a time runs eager DTensor ops outside the compiled programs (moving a tensor
@@ -330,3 +330,17 @@ class PipelineStage:
         if divisor != 1:
             with _EAGER_LOCK:
                 self.grads = [None if g is None else g / divisor for g in self.grads]
+
+
+def build_stage(stage_module: Any, stage_index: int, pipe_info: Any, device: Any,
+                group: Any = None) -> PipelineStage:
+    """A PipelineStage for one of a Pipe's stage modules, with the shapes ``pipe_info`` (a ``PipeInfo``)
+    recorded (torch's ``torch.distributed.pipelining.stage.build_stage``).
+
+    Example::
+
+        stage = build_stage(pipe.get_stage_module(0), 0, pipe.info(), device="CPU:0")
+    """
+    return PipelineStage(stage_module, stage_index, pipe_info.num_stages, device,
+                         input_args=pipe_info.stage_inputs[stage_index],
+                         output_args=pipe_info.stage_outputs[stage_index], group=group)
