@@ -87,12 +87,58 @@ def test_module_attribution_and_table():
         with comm.module("block0.mlp"):
             d.redistribute(MESH, [Replicate(), Shard(1)])
             d + 1.0  # local: no collective
+    # torch's shape: per module and pass; Global holds everything
     assert comm.get_comm_module_counts() == {
-        "Global": {"all_gather_into_tensor": 1}, "block0.mlp": {"all_gather_into_tensor": 1},
+        "Global": {"forward": {"all_gather_into_tensor": 2}, "backward": {}},
+        "block0.mlp": {"forward": {"all_gather_into_tensor": 1}, "backward": {}},
     }
-    table = comm.generate_comm_debug_tracing_table(noise_level=1)
+    table = comm.generate_comm_debug_tracing_table(noise_level=2)
     assert "block0.mlp" in table and "CollectiveGatherV2" in table
     assert "total: 2 collective(s) per device" in table
+
+
+def test_keras_layers_get_their_collectives_forward_and_backward_as_megatron_places_them(tmp_path):
+    """A tensor-parallel GPT's train step: the executed program's name scopes put each all-reduce in
+    the layer that needed it -- forward in the row-parallel layers (attention output, MLP down, the
+    row-parallel embedding), backward in the column-parallel MLP up (its input gradient): Megatron's
+    pattern, derived by hand. Parameters and the JSON dump follow torch's structure."""
+    import json
+
+    import keras
+
+    from tfdist.keras import _data
+    from tfdist.models import GPT, parallelize_gpt
+
+    mesh = tfdist.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+    model = GPT(32, 8, dim=32, heads=4, depth=1)
+    parallelize_gpt(model, mesh)
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    ids = np.random.default_rng(0).integers(0, 32, (16, 8))
+    model.fit(ids, ids, batch_size=16, epochs=1, verbose=0)
+    step = model.make_train_function()
+    with CommDebugMode() as comm:
+        step(iter([_data.shard_batch((tf.constant(ids), tf.constant(ids)), mesh, 0)]))
+    counts = comm.get_comm_module_counts()
+    for row_parallel in ("GPT.blocks.0.attn.output", "GPT.blocks.0.mlp.down", "GPT.tok"):
+        assert counts[row_parallel]["forward"] == {"all_reduce": 1}, (row_parallel, counts)
+    assert counts["GPT.blocks.0.mlp.up"] == {"forward": {}, "backward": {"all_reduce": 1}}
+    assert counts["GPT.blocks.0.mlp"]["forward"] == {"all_reduce": 1}  # a parent includes its children
+    total = comm.get_comm_counts()["all_reduce"]
+    assert sum(counts["Global"]["forward"].values()) + sum(counts["Global"]["backward"].values()) == total
+    params = comm.get_parameter_info()
+    assert params["GPT.blocks.0.mlp.up"]["kernel"] == (Replicate(), Shard(1))  # column parallel on tp
+    assert params["GPT.blocks.0.mlp.down"]["kernel"] == (Replicate(), Shard(0))  # row parallel on tp
+    assert comm.get_sharding_info()["GPT.blocks.0.mlp.up.kernel"] == (Replicate(), Shard(1))
+    table = comm.generate_comm_debug_tracing_table(noise_level=1)
+    assert "GPT.blocks.0.mlp.down\n" in table and "*module type: Dense" in table and "BACKWARD PASS" in table
+    comm.generate_json_dump(str(tmp_path / "comm.json"))
+    root = json.loads((tmp_path / "comm.json").read_text())
+    assert root["fqn"] == "Global" and [c["fqn"] for c in root["children"]] == ["GPT"]
+    blocks = {c["fqn"]: c for c in root["children"][0]["children"]}
+    mlp = {c["fqn"]: c for c in blocks["GPT.blocks.0"]["children"]}["GPT.blocks.0.mlp"]
+    up = {c["fqn"]: c for c in mlp["children"]}["GPT.blocks.0.mlp.up"]
+    assert up["module_type"] == "Dense" and ["kernel", "(Replicate(), Shard(dim=1))"] in up["parameters"]
+    assert up["collectives_backward"] == [["all_reduce", 1]] and up["collectives_forward"] == []
 
 
 def test_kernel_classification():

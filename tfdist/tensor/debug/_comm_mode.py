@@ -33,6 +33,7 @@ import collections
 import contextlib
 import dataclasses
 import glob
+import json
 import shutil
 import tempfile
 from typing import Iterator
@@ -42,6 +43,7 @@ import tensorflow as tf
 from tensorflow.python.eager import context
 
 from tfdist.tensor import _comm_events
+from tfdist.tensor.debug._comm_modules import GLOBAL, ModuleTree
 from tfdist.tensor.debug._executed import function_nodes
 
 __all__ = ["CommDebugMode", "classify_kernel"]
@@ -162,16 +164,46 @@ def _read_trace(logdir: str) -> _Trace:
 
 
 _FUNCTION_BYTES: dict[str, tuple[collections.Counter, collections.Counter]] = {}
+_FUNCTION_COLLECTIVES: dict[str, list[tuple[tuple[str, ...], bool, str, float | None]]] = {}
 
 
-def _function_collectives(name: str) -> tuple[collections.Counter, collections.Counter]:
-    """(bytes sent per device, collective nodes) by torch name in one call of function ``name``.
+def _function_nodes_by_scope(name: str) -> list[tuple[tuple[str, ...], bool, str, float | None]]:
+    """(name scope, in the backward, torch name, bytes sent per device) of each collective node in one
+    call of function ``name``.
 
     Read from the SPMD-expanded function TF executed (kept in the eager
     context): each collective node's ``_output_shapes``, dtype and constant
-    group size, and the functions it calls.  Cached: a function's body never
-    changes under its name.
+    group size, and the functions it calls.  The scope is the node's name
+    without its last part; ``gradient_tape/`` (Keras' and ``tf.GradientTape``'s
+    backward) or a ``..._grad`` segment marks the backward.  A node inside one
+    of tfdist's marked scopes (its reduce-scatter runs as an all-to-all) takes
+    the mark's name.  Cached: a function's body never changes under its name.
     """
+    if name not in _FUNCTION_COLLECTIVES:
+        found = []
+        for by_name, node in function_nodes([name]):
+            if node.op in _WIRE:
+                logical = _logical_name(node.name, node.op)
+                segments = tuple(node.name.split("/")[:-1])
+                marks = [m for m in map(_comm_events.scoped_collective, segments) if m is not None]
+                backward = bool(segments) and segments[0] == "gradient_tape" or any(
+                    s.endswith("_grad") for s in segments)
+                if marks and not any(s.endswith("_grad") for s in segments):
+                    logical = marks[-1][0]
+                nbytes = _node_output_bytes(node)
+                k = _constant_input(by_name, node.input[1])
+                sent = _WIRE[node.op](nbytes, k) if nbytes is not None and k is not None else None
+                if logical:
+                    found.append((segments[1:] if segments[:1] == ("gradient_tape",) else segments,
+                                  backward, logical, sent))
+        _FUNCTION_COLLECTIVES[name] = found
+    return _FUNCTION_COLLECTIVES[name]
+
+
+def _function_collectives(name: str) -> tuple[collections.Counter, collections.Counter]:
+    """(bytes sent per device, collective nodes) by torch name in one call of function ``name``
+    (see :func:`_function_nodes_by_scope`); relabelling to tfdist's names happens later, in aggregate.
+    Cached: a function's body never changes under its name."""
     if name not in _FUNCTION_BYTES:
         sent: collections.Counter = collections.Counter()
         nodes: collections.Counter = collections.Counter()
@@ -187,17 +219,18 @@ def _function_collectives(name: str) -> tuple[collections.Counter, collections.C
     return _FUNCTION_BYTES[name]
 
 
-def _scoped_collectives(executed: str) -> list[tuple[str, str, float, int]]:
+def _scoped_collectives(executed: str) -> list[tuple[str, str, float, int, tuple[str, ...], bool]]:
     """tfdist's marked collectives in one call of the executed function ``executed``.
 
     DTensor names the SPMD-expanded function ``<traced name>__func_<hash>``;
     the traced function (kept beside it) still carries tfdist's name scopes
     (``_comm_events.graph_scope``), while the expanded one may not.
+    Each: (logical, kernel, output bytes, group size, the name scope around the mark, backward?).
     """
     traced = executed.split("__func_")[0]
     if traced == executed:
         return []
-    found: list[tuple[str, str, float, int]] = []
+    found: list[tuple[str, str, float, int, tuple[str, ...], bool]] = []
     _find_scopes(traced, found, ())
     return found
 
@@ -214,7 +247,10 @@ def _find_scopes(name: str, found: list, stack: tuple) -> None:
             backward = any(later.endswith("_grad") for later in segments[i + 1:])
             if segment not in marked and not backward and _comm_events.scoped_collective(segment):
                 marked.add(segment)
-                found.append(_comm_events.scoped_collective(segment))
+                before = tuple(segments[:i])
+                in_backward = before[:1] == ("gradient_tape",) or any(b.endswith("_grad") for b in before)
+                found.append((*_comm_events.scoped_collective(segment),
+                              before[1:] if before[:1] == ("gradient_tape",) else before, in_backward))
         for attr in node.attr.values():  # one visit per call site
             for callee in ([attr.func.name] if attr.func.name else [f.name for f in attr.list.func]):
                 _find_scopes(callee, found, stack + (name,))
@@ -256,7 +292,12 @@ class CommDebugMode:
         self._unmeasured: collections.Counter = collections.Counter()
         # tfdist collectives run as another kernel: (module, logical, kernel, out bytes, k, times)
         self._renamed: list[tuple[str, str, str, float, int, int]] = []
-        self._module = "Global"
+        # the module view: (marked module, name scope, backward?, torch name) -> collectives, bytes
+        self._scoped: collections.Counter = collections.Counter()
+        self._scoped_bytes: collections.Counter = collections.Counter()
+        # marked collectives found in traced functions, with their scope: see _module_view
+        self._renamed_scoped: list[tuple[str, tuple[str, ...], bool, str, str, float, int, int]] = []
+        self._module = GLOBAL
         self._logdir: str | None = None
 
     # -- profiling window -------------------------------------------------------
@@ -291,8 +332,12 @@ class CommDebugMode:
                 self._bytes[module][name] += calls * n
             for name, n in nodes.items():
                 executed[name] += calls * n
-            for marked in _scoped_collectives(function):
-                self._renamed.append((module, *marked, calls))
+            for logical, kernel, out, k, scope, backward in _scoped_collectives(function):
+                self._renamed.append((module, logical, kernel, out, k, calls))
+                self._renamed_scoped.append((module, scope, backward, logical, kernel, out, k, calls))
+            for scope, backward, logical, sent in _function_nodes_by_scope(function):
+                self._scoped[(module, scope, backward, logical)] += calls
+                self._scoped_bytes[(module, scope, backward, logical)] += calls * (sent or 0.0)
         for name, n in trace.launches.items():  # launches whose program TF did not expose (XLA)
             if n > executed[name]:
                 self._unmeasured[name] += n - executed[name]
@@ -305,6 +350,9 @@ class CommDebugMode:
             store.clear()
         self._unmeasured.clear()
         self._renamed.clear()
+        self._scoped.clear()
+        self._scoped_bytes.clear()
+        self._renamed_scoped.clear()
         self._start()
         _comm_events.listen(self._on_eager_collective)
         return self
@@ -386,9 +434,79 @@ class CommDebugMode:
         """All collectives per device."""
         return sum(self.get_comm_counts().values())
 
-    def get_comm_module_counts(self) -> dict[str, dict[str, int]]:
-        """Per-module collective counts (modules marked with :meth:`module`)."""
-        return {m: self._nonzero(k) for m, k in self._launches.items() if self._nonzero(k)}
+    def _module_view(self) -> tuple[ModuleTree, dict, dict]:
+        """The module tree, and per module {"forward"/"backward": Counter} of collectives and bytes.
+
+        A collective marked with :meth:`module` belongs to that module (and ``Global``); the others to
+        the layers their name scopes walk through (``_comm_modules``).  Parents include their children.
+        """
+        tree = ModuleTree({scope for (marked, scope, _, _) in self._scoped if marked == GLOBAL})
+        counts: dict = collections.defaultdict(lambda: {"forward": collections.Counter(),
+                                                        "backward": collections.Counter()})
+        sent: dict = collections.defaultdict(lambda: {"forward": collections.Counter(),
+                                                      "backward": collections.Counter()})
+        scoped, scoped_bytes = collections.Counter(self._scoped), collections.Counter(self._scoped_bytes)
+        # tfdist's reduce-scatter runs as an all-to-all the expansion often leaves without a scope: the
+        # mark in the traced function gives its name, scope and pass; that many bare kernels move there
+        for marked, scope, backward, logical, kernel, out, k, times in self._renamed_scoped:
+            plain = classify_kernel(kernel)
+            bare = [key for key in scoped if key[0] == marked and key[3] == plain and len(tree.resolve(key[1])) == 1]
+            for key in bare:
+                n = min(times, scoped[key])
+                if n <= 0:
+                    continue
+                wire = _WIRE[kernel](out, k) * n if out is not None else 0.0
+                scoped[key] -= n
+                scoped_bytes[key] -= min(wire, scoped_bytes[key])
+                scoped[(marked, scope, backward, logical)] += n
+                scoped_bytes[(marked, scope, backward, logical)] += wire
+                times -= n
+                if times <= 0:
+                    break
+        for key, n in scoped.items():
+            if n <= 0:
+                continue
+            marked, scope, backward, logical = key
+            path = tree.resolve(scope) if marked == GLOBAL else [GLOBAL, tree.add_marked(marked)]
+            direction = "backward" if backward else "forward"
+            for fqn in path:
+                counts[fqn][direction][logical] += n
+                sent[fqn][direction][logical] += scoped_bytes[key]
+        return tree, counts, sent
+
+    def get_comm_module_counts(self) -> dict[str, dict[str, dict[str, int]]]:
+        """Collectives per module and pass, torch's ``comm_module_counts``:
+        ``{"Global": {"forward": {...}, "backward": {...}}, "GPT.blocks.0.mlp": {...}, ...}``.
+
+        Modules are the Keras layers whose calls needed the collectives (read from the executed
+        programs' name scopes, ``Global`` for the rest) or the names given to :meth:`module`; a
+        module's counts include its children's, ``Global``'s everything.  Counts are per device.
+        The pass is read from the scope too (``gradient_tape/``): a collective outside every layer
+        call and outside the tape's backward -- the loss, the gradient reduce-scatters FSDP runs
+        after the tape, an eager move -- counts in ``Global``'s forward.
+
+        Example::
+
+            with CommDebugMode() as comm:
+                model.train_function(iterator)
+            comm.get_comm_module_counts()["GPT.blocks.0.mlp.down"]
+            # {'forward': {'all_reduce': 1}, 'backward': {}}
+        """
+        _, counts, _ = self._module_view()
+        return {fqn: {d: self._nonzero(c[d]) for d in ("forward", "backward")}
+                for fqn, c in counts.items() if any(c[d] for d in c)}
+
+    def get_parameter_info(self) -> dict[str, dict[str, tuple]]:
+        """Per module whose collectives ran, its parameters on a mesh and their placements (torch's
+        ``module_parameters_dict``): ``{"GPT.blocks.0.mlp.up": {"kernel": (Shard(dim=0), Shard(dim=1))}}``."""
+        tree, counts, _ = self._module_view()
+        return {fqn: dict(tree.modules[fqn].parameters) for fqn in tree.called(set(counts))
+                if tree.modules[fqn].parameters}
+
+    def get_sharding_info(self) -> dict[str, tuple]:
+        """Each parameter's placements by ``"<module fqn>.<name>"`` (torch's ``sharding_dict``)."""
+        return {f"{fqn}.{name}": placements for fqn, params in self.get_parameter_info().items()
+                for name, placements in params.items()}
 
     def get_kernel_counts(self) -> dict[str, int]:
         """Raw executions per TF kernel type, summed over devices."""
@@ -397,19 +515,67 @@ class CommDebugMode:
             total.update(kernels)
         return dict(total)
 
-    def generate_comm_debug_tracing_table(self, noise_level: int = 0) -> str:
-        """A readable table: module, collective, count and bytes per device (kernels at noise_level >= 1)."""
-        rows = [("module", "collective", "per device", "bytes per device")]
-        for module, counts in self.get_comm_module_counts().items():
-            for name, n in counts.items():
-                rows.append((module, name, str(n), f"{self._bytes[module][name]:.0f}"))
-        if noise_level >= 1:
-            rows.append(("", "", "", ""))
-            rows.append(("TF kernel", "executions", "(all devices)", ""))
-            rows += [(k, str(v), "", "") for k, v in sorted(self.get_kernel_counts().items())]
-        widths = [max(len(r[i]) for r in rows) for i in range(4)]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    def generate_comm_debug_tracing_table(self, noise_level: int = 3) -> str:
+        """torch's module table: each module (indented by depth), its collectives per device in the
+        FORWARD PASS and BACKWARD PASS with the bytes each device sent.
+
+        ``noise_level`` >= 1 adds each module's type and parameters with their placements (torch),
+        >= 2 the TF kernels that ran (tfdist's counterpart of torch's operation lists, which a
+        compiled TF program does not expose one by one).
+        """
+        tree, counts, sent = self._module_view()
+        lines = []
+        for fqn in tree.called(set(counts)):
+            info = tree.modules[fqn]
+            indent = "  " * (2 * info.depth)
+            lines.append(f"{indent}{fqn}")
+            if noise_level >= 1 and info.module_type:
+                lines.append(f"{indent}*module type: {info.module_type}")
+                if info.parameters:
+                    lines.append(f"{indent}*Parameter List")
+                    lines += [f"{indent} *{name}: {placements}" for name, placements in info.parameters.items()]
+            for direction, title in (("forward", "FORWARD PASS"), ("backward", "BACKWARD PASS")):
+                done = self._nonzero(counts[fqn][direction]) if fqn in counts else {}
+                if done:
+                    lines.append(f"{indent}  {title}")
+                    lines += [f"{indent}    *{name}: {n} ({sent[fqn][direction][name]:,.0f} bytes per device)"
+                              for name, n in done.items()]
+        if noise_level >= 2:
+            lines += ["", "TF kernel executions (all devices):"]
+            lines += [f"  {k}: {v}" for k, v in sorted(self.get_kernel_counts().items())]
         lines.append(f"total: {self.get_total_counts()} collective(s) per device")
         if self._unmeasured:
             lines.append(f"bytes not readable (program not exposed by TF): {self.get_unmeasured_counts()}")
         return "\n".join(lines)
+
+    def log_comm_debug_tracing_table_to_file(self, file_name: str = "comm_mode_log.txt", noise_level: int = 3) -> None:
+        """Writes :meth:`generate_comm_debug_tracing_table` to ``file_name`` (torch's)."""
+        with open(file_name, "w") as f:
+            f.write(self.generate_comm_debug_tracing_table(noise_level) + "\n")
+
+    def generate_json_dump(self, file_name: str = "comm_mode_log.json", noise_level: int = 3) -> None:
+        """Writes the module tree as torch's JSON (``fqn``, ``module_type``, ``parameters``,
+        ``children``, ``collectives_forward``/``_backward`` as ``[name, count]`` pairs), plus
+        ``bytes_forward``/``bytes_backward`` per collective.  ``operations_*`` stay empty: a compiled TF
+        program runs its ops inside one call (see :meth:`generate_comm_debug_tracing_table`).
+        ``noise_level`` >= 1 includes module types and parameters, as in torch.
+        """
+        tree, counts, sent = self._module_view()
+        shown = set(tree.called(set(counts)))
+
+        def node(fqn: str) -> dict:
+            info, c = tree.modules[fqn], counts.get(fqn, {"forward": {}, "backward": {}})
+            return {
+                "fqn": fqn,
+                "module_type": info.module_type if noise_level >= 1 else "",
+                "parameters": [[n, str(p)] for n, p in info.parameters.items()] if noise_level >= 1 else [],
+                "children": [node(child) for child in info.children if child in shown],
+                "collectives_forward": [[k, v] for k, v in self._nonzero(c["forward"]).items()],
+                "collectives_backward": [[k, v] for k, v in self._nonzero(c["backward"]).items()],
+                "bytes_forward": {k: sent[fqn]["forward"][k] for k in self._nonzero(c["forward"])},
+                "bytes_backward": {k: sent[fqn]["backward"][k] for k in self._nonzero(c["backward"])},
+                "operations_forward": [], "operations_backward": [], "operations_checkpointing": [],
+            }
+
+        with open(file_name, "w") as f:
+            json.dump(node(GLOBAL), f, indent=4)
