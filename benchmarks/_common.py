@@ -12,7 +12,8 @@ from typing import Callable
 
 import numpy as np
 
-RESULTS = pathlib.Path(__file__).parent / "results"
+# run_all.py --quick points this elsewhere, so that a short run never overwrites the committed results
+RESULTS = pathlib.Path(os.environ.get("TFDIST_BENCH_RESULTS") or pathlib.Path(__file__).parent / "results")
 
 
 def time_call(fn: Callable[[], object], sync: Callable[[object], None], *, warmup: int = 3, repeat: int = 15) -> float:
@@ -28,7 +29,7 @@ def time_call(fn: Callable[[], object], sync: Callable[[object], None], *, warmu
 
 
 def write_results(name: str, rows: list[dict], meta: dict) -> pathlib.Path:
-    RESULTS.mkdir(exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
     payload = {"benchmark": name, "machine": {"cpus": os.cpu_count(), "python": platform.python_version()}, **meta, "rows": rows}
     path.write_text(json.dumps(payload, indent=1))

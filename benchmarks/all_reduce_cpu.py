@@ -23,6 +23,7 @@ import os
 import statistics
 import subprocess
 import sys
+from _common import RESULTS  # noqa: E402  (the results folder; run_all.py --quick moves it)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -80,8 +81,8 @@ def main() -> None:
     medians = {p: statistics.median(v) for p, v in runs.items()}
     result = {"megabytes": args.mb, "devices": 8, "rounds": args.rounds, "ms_per_round": runs, "median_ms": medians,
               "ratio_dtensor_over_mirrored": medians["dtensor"] / medians["mirrored"]}
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    with open(os.path.join(HERE, "results", "all_reduce_cpu.json"), "w") as f:
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, "all_reduce_cpu.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(f"all-reduce of {args.mb} MB over 8 virtual CPUs, median of {args.rounds} rounds:")
     for program, ms in medians.items():

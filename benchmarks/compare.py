@@ -56,6 +56,7 @@ import sys
 import time
 
 import numpy as np
+from _common import RESULTS  # noqa: E402  (the results folder; run_all.py --quick moves it)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROGRAMS = ["one_device", "hand_written_one_device", "hand_written", "hand_written_synced", "hand_written_dp",
@@ -579,7 +580,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--workloads", default="W1,W2")
     parser.add_argument("--programs", default=",".join(PROGRAMS))
-    parser.add_argument("--out", default=os.path.join(HERE, "results"))
+    parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
     programs = args.programs.split(",")
     workloads = args.workloads.split(",")

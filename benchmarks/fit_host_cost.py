@@ -32,6 +32,7 @@ import os
 import statistics
 import sys
 import time
+from _common import RESULTS  # noqa: E402  (the results folder; run_all.py --quick moves it)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WARMUP = 10
@@ -173,9 +174,9 @@ def main() -> None:
               "workload": args.workload,
               "rounds": args.rounds, "timed_steps": args.steps, "summary": summary, "paired_ratios": pairs,
               "runs": runs}
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
+    os.makedirs(RESULTS, exist_ok=True)
     name = "fit_host_cost.json" if args.workload == "W1" else f"fit_host_cost_{args.workload}.json"
-    with open(os.path.join(HERE, "results", name), "w") as f:
+    with open(os.path.join(RESULTS, name), "w") as f:
         json.dump(result, f, indent=1)
     print(f"{args.workload} on 2x4, {args.rounds} alternating rounds of {args.steps} steps (medians, per step):")
     print("| program | wall ms | main-thread CPU ms |\n| --- | --- | --- |")

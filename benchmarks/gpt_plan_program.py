@@ -19,6 +19,7 @@ import os
 import statistics
 import sys
 import time
+from _common import RESULTS  # noqa: E402  (the results folder; run_all.py --quick moves it)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 COUNTED = ("Relayout", "RelayoutLike", "Einsum", "MatMul", "BatchMatMulV2", "GatherV2", "OneHot",
@@ -103,8 +104,8 @@ def main() -> None:
     out = {"command": "python benchmarks/gpt_plan_program.py " + " ".join(sys.argv[1:]), "commit": commit,
            "rounds": args.rounds, "steps": args.steps, "programs": result,
            "parallelize_gpt/layout_map step_ms (median of per-round ratios)": ratio}
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    with open(os.path.join(HERE, "results", "gpt_plan_program.json"), "w") as f:
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, "gpt_plan_program.json"), "w") as f:
         json.dump(out, f, indent=1)
     print("| program | step ms | collectives | collective MB | graph ops | " + " | ".join(COUNTED) + " |")
     print("| --- " * (5 + len(COUNTED)) + "|")

@@ -16,13 +16,13 @@ with the median of the per-round ratios.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
+from _common import RESULTS  # noqa: E402  (the results folder; run_all.py --quick moves it)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SETTINGS = {"W1 data parallel 8": ("W1", "data_parallel"), "W1 parallelize_module 2x4": ("W1", "parallelize"),
@@ -42,8 +42,8 @@ def _traced_both_ways(workload: str, program: str):
     from tfdist.keras import _trainer
     from tfdist.tensor.parallel.loss import loss_parallel
 
-    def keras_sum(sharded_logits: bool):  # what the step is traced in, minus the mean reduction
-        return loss_parallel() if sharded_logits else contextlib.nullcontext()
+    def keras_sum():  # what the step is traced in (_trainer._tracing_scope), minus the mean reduction
+        return loss_parallel()
 
     tfdist_scope = _trainer._tracing_scope
     _trainer._tracing_scope = keras_sum
@@ -114,8 +114,8 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout.strip()
     out = {"command": "python benchmarks/loss_reduction.py " + " ".join(sys.argv[1:]), "commit": commit,
            "rounds": args.rounds, "steps": args.steps, "results": results}
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    with open(os.path.join(HERE, "results", "loss_reduction.json"), "w") as f:
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, "loss_reduction.json"), "w") as f:
         json.dump(out, f, indent=1)
     print("\n| setting | unaligned gradient bytes per device step, Keras' sum -> tfdist's mean | "
           "ms per step, Keras' sum | tfdist's mean | ratio (range) |")

@@ -52,7 +52,7 @@ tfdist.virtual_cpus(8)
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from _common import print_table, write_results  # noqa: E402
+from _common import RESULTS, print_table, write_results  # noqa: E402
 from tfdist.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, plot_schedule, read_profile  # noqa: E402
 from tfdist.pipelining import _orders, _timeline  # noqa: E402
 
@@ -174,8 +174,10 @@ def profile_step(pipe, x, y, name: str) -> dict:
         tf.profiler.experimental.stop()
     profile = read_profile(logdir)
     if name == "1F1B":
-        plot_schedule(pipe, os.path.join(os.path.dirname(__file__), "..", "docs", "images",
-                                         "pipeline_1f1b_profile.png"), profile=profile)
+        # the picture docs/pipelining.md shows; a run_all.py --quick run keeps it beside its results
+        images = os.path.join(os.path.dirname(__file__), "..", "docs", "images") \
+            if os.environ.get("TFDIST_BENCH_RESULTS") is None else str(RESULTS)
+        plot_schedule(pipe, os.path.join(images, "pipeline_1f1b_profile.png"), profile=profile)
     return {"profiled ranks busy at once": round(profile.concurrency(), 2),
             "profiled kernel overlap": round(profile.kernel_overlap(), 2)}
 

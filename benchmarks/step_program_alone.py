@@ -34,6 +34,7 @@ import statistics
 import subprocess
 import time
 import sys
+from _common import RESULTS  # noqa: E402  (the results folder; run_all.py --quick moves it)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROGRAMS = ("parallelize", "layout_map", "hand_written")
@@ -178,8 +179,8 @@ def main_alternate(args) -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout.strip()
     out = {"command": "python benchmarks/step_program_alone.py " + " ".join(sys.argv[1:]), "commit": commit,
            "workload": args.workload, "chunks": args.chunks, "steps per chunk": args.steps, **out}
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    with open(os.path.join(HERE, "results", f"step_program_alone_{args.workload}_alternating.json"), "w") as f:
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, f"step_program_alone_{args.workload}_alternating.json"), "w") as f:
         json.dump(out, f, indent=1)
     print(f"\n| {args.workload} program, one process | wall ms/step | CPU ms/step |")
     print("| --- | --- | --- |")
@@ -222,8 +223,8 @@ def main() -> None:
     out = {"command": "python benchmarks/step_program_alone.py " + " ".join(sys.argv[1:]), "commit": commit,
            "workload": args.workload, "rounds": args.rounds, "steps": args.steps,
            "summary": summary, "ratios (median of per-round ratios)": ratios, "runs": runs}
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    with open(os.path.join(HERE, "results", f"step_program_alone_{args.workload}.json"), "w") as f:
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, f"step_program_alone_{args.workload}.json"), "w") as f:
         json.dump(out, f, indent=1)
     print(f"\n| {args.workload} program | wall ms/step | CPU ms/step | voluntary switches/step | wall / hand | CPU / hand |")
     print("| --- | --- | --- | --- | --- | --- |")

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import sys
 
 import pytest
 
 PATH = pathlib.Path(__file__).parents[1] / "benchmarks" / "compare.py"
+sys.path.insert(0, str(PATH.parent))  # as `python benchmarks/compare.py` has it: the script imports _common
 spec = importlib.util.spec_from_file_location("compare", PATH)
 compare = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(compare)

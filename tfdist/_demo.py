@@ -21,17 +21,33 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import keras
+import numpy as np
+import tensorflow as tf
+
+import tfdist
+import tfdist.checkpoint as dcp
+import tfdist.keras
+from tfdist.checkpoint.state_dict import get_state_dict, set_state_dict
+from tfdist.fsdp import fully_shard
+from tfdist.keras import _data
+from tfdist.models import GPT, gpt_tp_plan
+from tfdist.pipelining import PipelineStage, Schedule1F1B
+from tfdist.pipelining._actions import format_pipeline_order
+from tfdist.pipelining._plot import plot_schedule, timeline
+from tfdist.pipelining._timeline import bubble_fraction
+from tfdist.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from tfdist.tensor.debug import CommDebugMode, explain_redistribute, visualize_sharding
+from tfdist.tensor.parallel import parallelize_module
+
 __all__ = ["DemoError", "DemoResult", "run_demo"]
 
 
 class DemoError(AssertionError):
     """A claim the demo prints turned out false (a bug: please report it)."""
-
-
 @dataclass
 class DemoResult:
     """What the demo measured, for the test and for ``--json``-style reuse."""
-
     losses: list[float] = field(default_factory=list)  # training loss per epoch
     eval_losses: dict[str, float] = field(default_factory=dict)  # mesh -> evaluation loss
     files: list[str] = field(default_factory=list)
@@ -48,7 +64,6 @@ def run_demo(mesh_shape: tuple[int, int] = (2, 4), steps: int = 100, out_dir: st
         result = run_demo((4, 2), steps=20, out_dir="/tmp/demo")
         result.eval_losses   # {'dp x tp (4, 2)': 2.1, 'FSDP over 8': 2.1, 'one device': 2.1}
     """
-    import tfdist
 
     start = time.perf_counter()
     tfdist.virtual_cpus(8)
@@ -76,12 +91,6 @@ def _section(title: str) -> None:
 
 def _dtensor_part(mesh: Any) -> None:
     """Placements and moves: each redistribute names the collective TF runs for it."""
-    import numpy as np
-    import tensorflow as tf
-
-    from tfdist.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-    from tfdist.tensor.debug import explain_redistribute, visualize_sharding
-
     _section("1. DTensor")
     print(f"mesh: {mesh}\n")
     x = np.arange(6 * 8, dtype=np.float32).reshape(6, 8)
@@ -129,7 +138,6 @@ def _task(n: int, seed: int) -> tuple[Any, Any]:
     The next token depends on the stride, which only the previous tokens show: the model must
     attend, and its loss falls from ln(64) = 4.16 towards 0 as it learns to.
     """
-    import numpy as np
 
     rng = np.random.default_rng(seed)
     start = rng.integers(0, _VOCAB, (n, 1))
@@ -139,9 +147,7 @@ def _task(n: int, seed: int) -> tuple[Any, Any]:
 
 
 def _gpt(seed: int) -> Any:
-    import keras
 
-    from tfdist.models import GPT
 
     keras.utils.set_random_seed(seed)
     model = GPT(_VOCAB, _SEQ, dim=64, heads=4, depth=2)
@@ -152,19 +158,7 @@ def _gpt(seed: int) -> Any:
 
 
 def _keras_part(mesh: Any, steps: int, out_dir: str, result: DemoResult) -> None:
-    import keras
-    import numpy as np
-    import tensorflow as tf
 
-    import tfdist
-    import tfdist.checkpoint as dcp
-    import tfdist.keras
-    from tfdist.checkpoint.state_dict import get_state_dict, set_state_dict
-    from tfdist.fsdp import fully_shard
-    from tfdist.keras import _data
-    from tfdist.models import gpt_tp_plan
-    from tfdist.tensor.debug import CommDebugMode
-    from tfdist.tensor.parallel import parallelize_module
 
     batch, epochs = 32, 5
     per_epoch = steps // epochs
@@ -261,14 +255,7 @@ def _keras_part(mesh: Any, steps: int, out_dir: str, result: DemoResult) -> None
 # -- the pipeline part ----------------------------------------------------------------------------
 
 def _pipeline_part(out_dir: str, result: DemoResult) -> None:
-    import keras
-    import numpy as np
-    import tensorflow as tf
 
-    from tfdist.pipelining import PipelineStage, Schedule1F1B
-    from tfdist.pipelining._actions import format_pipeline_order
-    from tfdist.pipelining._plot import plot_schedule, timeline
-    from tfdist.pipelining._timeline import bubble_fraction
 
     _section("4. Pipeline parallelism: 4 stages, Schedule1F1B, 8 microbatches")
     width, stages_n, micro = 32, 4, 8

@@ -12,7 +12,7 @@ Example::
     tfdist.virtual_cpus(8)
     mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"])
     layout_map = keras.distribution.LayoutMap(mesh)
-    layout_map["dense.*kernel"] = (None, "model")
+    layout_map[".*dense.*kernel"] = (None, "model")  # Keras matches whole paths: "sequential/dense/kernel"
     keras.distribution.set_distribution(
         keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch"))
     model = make_model(); model.compile(...); model.fit(x, y, batch_size=16)

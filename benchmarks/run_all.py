@@ -1,0 +1,269 @@
+"""Every benchmark in one command, and one table of the headline ratios.
+
+    python benchmarks/run_all.py            # every benchmark as committed (about an hour or more here)
+    python benchmarks/run_all.py --quick    # fewer rounds and steps: a few minutes, a smoke test of the numbers
+    python benchmarks/run_all.py --only pipeline,checkpoint
+
+Each benchmark runs in its own process, one after another (they time things, so never two at once).
+A full run writes the benchmarks' own JSON files in ``benchmarks/results/`` (the files docs/performance.md
+quotes) plus ``results/run_all.json`` and ``results/run_all.md``: the headline ratios with the commit and the
+machine.  ``--quick`` writes everything under ``results/quick/`` so a short run never replaces the full one.
+A benchmark that fails is reported in the table with its last error line; the others still run.
+
+``before_after.py`` is not run here: it compares two commits, which a run of one checkout cannot choose.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from typing import Callable
+
+HERE = pathlib.Path(__file__).resolve().parent
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # before TensorFlow loads (for its version in the report)
+Headline = list[tuple[str, float | str, str]]  # (what, value, target or "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Benchmark:
+    name: str
+    script: str
+    full: tuple[str, ...]
+    quick: tuple[str, ...]
+    result: str  # the JSON file it writes
+    headline: Callable[[dict], Headline]
+    env_rounds: tuple[str, str] | None = None  # (full, quick) ROUNDS for scripts that read it from the environment
+
+
+def _compare(d: dict) -> Headline:
+    rows = []
+    for r in d["ratios"]:
+        for w in ("W1", "W2"):
+            if isinstance(r.get(w), (int, float)):
+                rows.append((f"{r['ratio']} ({w})", r[w], f"<= {r['goal']}" if r.get("goal") else ""))
+    return rows
+
+
+def _keras_hub(d: dict) -> Headline:
+    ratios = d["step ratio tfdist/jax per round"]
+    first = {r["run"]: r["first epoch s"] for r in d["rows"]}
+    jax, tf_ = (next(v for k, v in first.items() if "JAX" in k), next(v for k, v in first.items() if "JAX" not in k))
+    return [(f"keras-hub {d['family']}: step, tfdist / Keras on JAX (2x4, same layout map)",
+             round(statistics.median(ratios), 3), "<= 1.0"),
+            (f"keras-hub {d['family']}: first epoch, tfdist / Keras on JAX", round(tf_ / jax, 3), "<= 1.2")]
+
+
+def _pipeline(d: dict) -> Headline:
+    rows = [(f"pipeline {r['program']}: compute vs one device", r["compute vs one device"],
+             "" if "recompute" in r["program"] else "<= 1.05")
+            for r in d["rows"] if r.get("compute vs one device") not in ("", None) and r["program"] != "one device"]
+    for b in d["bubbles"]:
+        if b["p"] == 4 and b["m"] == 8:
+            rows.append((f"pipeline {b['schedule']} bubble, p=4 m=8 (theory {b['theory (p-1)/(m+p-1)']})",
+                         b["bubble"], ""))
+    return rows
+
+
+def _fsdp(d: dict) -> Headline:
+    return [(f"FSDP over {r['N']}: memory held / (total / N)", r["held / (total/N)"], "")
+            for r in d["rows"] if isinstance(r.get("N"), int) and r["N"] > 1 and "held / (total/N)" in r][:3]
+
+
+def _ratios_dict(prefix: str) -> Callable[[dict], Headline]:
+    return lambda d: [(f"{prefix}{k}", v, "") for k, v in d["ratios"].items() if isinstance(v, (int, float))]
+
+
+def _distributions(d: dict) -> Headline:
+    return [(f"distributions {r['distribution']}.{r['op']}: tfdist / TFP", r["ratio"], "") for r in d["rows"]]
+
+
+def _redistribute(d: dict) -> Headline:
+    ratios = [r["bytes_vs_torch"] for r in d["rows"] if isinstance(r.get("bytes_vs_torch"), (int, float))]
+    return [(f"redistribute: bytes vs torch's plan, worst of {len(ratios)} moves", max(ratios), "<= 1.0"),
+            ("redistribute: moves at torch's bytes", f"{sum(r <= 1.0 for r in ratios)} of {len(ratios)}", "")]
+
+
+def _plain(d: dict) -> Headline:
+    rows = []
+    for r in d["rows"]:
+        if r["program"] != "plain":
+            for k, v in r.items():
+                if k.endswith("_ratio"):
+                    rows.append((f"plain TF/Keras code with {r['program']}: {k[:-6]} time / without", v, "<= 1.05"))
+    return rows
+
+
+def _all_reduce(d: dict) -> Headline:
+    return [("TF DTensor all-reduce / MirroredStrategy's (time)", round(d["ratio_dtensor_over_mirrored"], 3), "")]
+
+
+def _fit_host_cost(d: dict) -> Headline:
+    return [(f"fit step / hand-written step, {k} ({d['workload']})", round(v, 3), "<= 1.0")
+            for k, v in d["paired_ratios"].items() if k in ("fit/hand wall_ms", "fit/hand cpu_ms")]
+
+
+def _gpt_plan(d: dict) -> Headline:
+    key = next(k for k in d if k.startswith("parallelize_gpt/layout_map"))
+    return [("W2 step: parallelize_gpt / LayoutMap", round(d[key], 3), "")]
+
+
+def _loss_reduction(d: dict) -> Headline:
+    return [(f"loss reduction, tfdist's mean / Keras' sum (time), {setting}",
+             round(r["ratio tfdist_mean/keras_sum (median of per-round ratios)"], 3), "<= 1.0")
+            for setting, r in d["results"].items()]
+
+
+def _step_alone(d: dict) -> Headline:
+    return [(f"step program alone, {k} ({d['workload']}, wall)", round(v["wall_ms"], 3), "<= 1.0")
+            for k, v in d["ratios (median of per-round ratios)"].items()]
+
+
+def _embedding(d: dict) -> Headline:
+    return [(f"embedding: {r['program']} / one-hot matmul (time)", r["vs_one_hot"], "") for r in d["rows"]
+            if r["vs_one_hot"] != 1.0]
+
+
+BENCHMARKS = [
+    Benchmark("compare", "compare.py", ("--rounds", "6"), ("--rounds", "1", "--workloads", "W1"),
+              "compare.json", _compare),
+    Benchmark("keras_hub_vs_jax", "keras_hub_vs_jax.py", (), ("--rounds", "1", "--steps", "3", "--blocks", "1"),
+              "keras_hub_gemma.json", _keras_hub),
+    Benchmark("pipeline", "pipeline.py", (), (), "pipeline.json", _pipeline, ("5", "1")),
+    Benchmark("fsdp", "fsdp.py", (), (), "fsdp.json", _fsdp, ("5", "1")),
+    Benchmark("checkpoint", "checkpoint.py", (), (), "checkpoint.json", _ratios_dict("checkpoint "), ("5", "1")),
+    Benchmark("tp_transformer", "tp_transformer.py", (), ("--rounds", "1", "--steps", "5"), "tp_transformer.json",
+              _ratios_dict("TP transformer ")),
+    Benchmark("redistribute", "redistribute.py", (), ("--rounds", "1", "--n", "256"), "redistribute.json",
+              _redistribute),
+    Benchmark("distributions", "distributions.py", (), (), "distributions.json", _distributions),
+    Benchmark("plain_code_overhead", "plain_code_overhead.py", (), ("--rounds", "1", "--calls", "300"),
+              "plain_code_overhead.json", _plain),
+    Benchmark("all_reduce_cpu", "all_reduce_cpu.py", (), ("--rounds", "1"), "all_reduce_cpu.json", _all_reduce),
+    Benchmark("embedding_lookup", "embedding_lookup.py", (), ("--rounds", "1", "--steps", "3"),
+              "embedding_lookup.json", _embedding),
+    Benchmark("fit_host_cost", "fit_host_cost.py", (), ("--rounds", "1", "--steps", "5"), "fit_host_cost.json",
+              _fit_host_cost),
+    Benchmark("gpt_plan_program", "gpt_plan_program.py", (), ("--rounds", "1", "--steps", "3"),
+              "gpt_plan_program.json", _gpt_plan),
+    Benchmark("loss_reduction", "loss_reduction.py", (), ("--rounds", "1", "--steps", "3"), "loss_reduction.json",
+              _loss_reduction),
+    Benchmark("step_program_alone", "step_program_alone.py", (), ("--rounds", "1", "--steps", "5"),
+              "step_program_alone_W2.json", _step_alone),
+]
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _machine() -> dict:
+    import tensorflow as tf  # the version only; the benchmarks run in their own processes
+
+    return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+            "tensorflow": tf.__version__}
+
+
+def run_one(bench: Benchmark, quick: bool, results: pathlib.Path, timeout: float) -> dict:
+    """Runs one benchmark script; returns its headline rows, or the error that stopped it."""
+    env = {**os.environ, "TFDIST_BENCH_RESULTS": str(results), "TF_CPP_MIN_LOG_LEVEL": "3"}
+    if bench.env_rounds:
+        env["ROUNDS"] = bench.env_rounds[1 if quick else 0]
+    command = [sys.executable, str(HERE / bench.script), *(bench.quick if quick else bench.full)]
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+        failed = done.returncode != 0 and (done.stderr.strip().splitlines() or ["exit %d" % done.returncode])[-1]
+    except subprocess.TimeoutExpired:
+        failed = f"timed out after {timeout:.0f} s"
+    seconds = round(time.perf_counter() - start, 1)
+    entry = {"benchmark": bench.name, "command": " ".join(["python", f"benchmarks/{bench.script}",
+                                                           *(bench.quick if quick else bench.full)]),
+             "seconds": seconds, "result": str(results / bench.result)}
+    if failed:
+        return {**entry, "error": failed}
+    return _with_headline(bench, results, entry)
+
+
+def _with_headline(bench: Benchmark, results: pathlib.Path, entry: dict) -> dict:
+    """``entry`` with the headline rows read from the benchmark's JSON, or the reason they could not be."""
+    try:
+        data = json.loads((results / bench.result).read_text())
+        entry["headline"] = [{"what": w, "value": v, "target": t} for w, v, t in bench.headline(data)]
+    except (OSError, KeyError, ValueError, StopIteration, TypeError) as e:
+        entry["error"] = f"could not read {bench.result}: {type(e).__name__}: {e}"
+    return entry
+
+
+def report_one(bench: Benchmark, results: pathlib.Path, previous: dict) -> dict:
+    """The headline of a benchmark from the results it already wrote (``--report-only``)."""
+    entry = {"benchmark": bench.name, "command": previous.get("command", ""), "seconds": previous.get("seconds", 0.0),
+             "result": str(results / bench.result)}
+    if "error" in previous and "could not read" not in previous["error"]:
+        return {**entry, "error": previous["error"]}
+    return _with_headline(bench, results, entry)
+
+
+def markdown(report: dict) -> str:
+    meta = report["meta"]
+    lines = [f"Headline ratios, `{meta['command']}` at commit `{meta['commit']}` on {meta['machine']['cpus']} CPUs "
+             f"({meta['machine']['platform']}, TF {meta['machine']['tensorflow']}); lower is better unless a "
+             "target says otherwise.", "",
+             "| benchmark | what | value | target |", "| --- | --- | --- | --- |"]
+    for entry in report["benchmarks"]:
+        if "error" in entry:
+            lines.append(f"| {entry['benchmark']} | failed: {entry['error'][:160]} | | |")
+        for row in entry.get("headline", []):
+            lines.append(f"| {entry['benchmark']} | {row['what']} | {row['value']} | {row['target']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds and steps; results under results/quick/")
+    parser.add_argument("--only", default="", help="comma-separated benchmark names (default: all)")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds each benchmark may take")
+    parser.add_argument("--report-only", action="store_true",
+                        help="run nothing: rebuild the table from the results already written")
+    args = parser.parse_args(argv)
+    known = {b.name for b in BENCHMARKS}
+    only = [n for n in args.only.split(",") if n]
+    if set(only) - known:
+        parser.error(f"--only names unknown benchmarks {sorted(set(only) - known)}; known: {sorted(known)}")
+    chosen = [b for b in BENCHMARKS if not only or b.name in only]
+    results = HERE / "results" / ("quick" if args.quick else "")
+    results.mkdir(parents=True, exist_ok=True)
+    report = {"meta": {"command": "python benchmarks/run_all.py" + (" --quick" if args.quick else "")
+                       + (f" --only {args.only}" if only else ""), "commit": _commit(), "machine": _machine(),
+                       "date": time.strftime("%Y-%m-%d")}, "benchmarks": []}
+    previous = {}
+    if args.report_only and (results / "run_all.json").exists():
+        previous = {e["benchmark"]: e for e in json.loads((results / "run_all.json").read_text())["benchmarks"]}
+        report["meta"] = json.loads((results / "run_all.json").read_text())["meta"]
+    for bench in chosen:
+        print(f"-- {bench.name} ...", flush=True)
+        entry = report_one(bench, results, previous.get(bench.name, {})) if args.report_only else \
+            run_one(bench, args.quick, results, args.timeout)
+        report["benchmarks"].append(entry)
+        print(f"   {entry['seconds']} s" + (f", FAILED: {entry['error']}" if "error" in entry else ""), flush=True)
+    (results / "run_all.json").write_text(json.dumps(report, indent=1))
+    table = markdown(report)
+    (results / "run_all.md").write_text(table)
+    print("\n" + table)
+    print(f"wrote {results / 'run_all.json'} and {results / 'run_all.md'}")
+    return 1 if any("error" in e for e in report["benchmarks"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
