@@ -1,13 +1,15 @@
 """Every benchmark in one command, and one table of the headline ratios.
 
     python benchmarks/run_all.py            # every benchmark as committed (about an hour or more here)
-    python benchmarks/run_all.py --quick    # fewer rounds and steps: a few minutes, a smoke test of the numbers
+    python benchmarks/run_all.py --quick    # the headline benchmarks, one round each: minutes, a smoke test
     python benchmarks/run_all.py --only pipeline,checkpoint
 
 Each benchmark runs in its own process, one after another (they time things, so never two at once).
 A full run writes the benchmarks' own JSON files in ``benchmarks/results/`` (the files docs/performance.md
 quotes) plus ``results/run_all.json`` and ``results/run_all.md``: the headline ratios with the commit and the
-machine.  ``--quick`` writes everything under ``results/quick/`` so a short run never replaces the full one.
+machine.  ``--quick`` runs the headline benchmarks (``in_quick``) with one round and few steps, the
+comparison with fewer programs, and writes everything under ``results/quick/`` so a short run never
+replaces the full one; the diagnostic benchmarks (where a step's time goes, host overheads) need a full run.
 A benchmark that fails is reported in the table with its last error line; the others still run.
 
 ``before_after.py`` is not run here: it compares two commits, which a run of one checkout cannot choose.
@@ -41,6 +43,7 @@ class Benchmark:
     result: str  # the JSON file it writes
     headline: Callable[[dict], Headline]
     env_rounds: tuple[str, str] | None = None  # (full, quick) ROUNDS for scripts that read it from the environment
+    in_quick: bool = True  # --quick runs the headline benchmarks only; the diagnostic ones need a full run
 
 
 def _compare(d: dict) -> Headline:
@@ -132,7 +135,9 @@ def _embedding(d: dict) -> Headline:
 
 
 BENCHMARKS = [
-    Benchmark("compare", "compare.py", ("--rounds", "6"), ("--rounds", "1", "--workloads", "W1"),
+    Benchmark("compare", "compare.py", ("--rounds", "6"),
+              ("--rounds", "1", "--workloads", "W1", "--programs",
+               "hand_written,tfdist_parallelize,tfdist_layout_map,tfdist_data_parallel,mirrored"),
               "compare.json", _compare),
     Benchmark("keras_hub_vs_jax", "keras_hub_vs_jax.py", (), ("--rounds", "1", "--steps", "3", "--blocks", "1"),
               "keras_hub_gemma.json", _keras_hub),
@@ -145,18 +150,19 @@ BENCHMARKS = [
               _redistribute),
     Benchmark("distributions", "distributions.py", (), (), "distributions.json", _distributions),
     Benchmark("plain_code_overhead", "plain_code_overhead.py", (), ("--rounds", "1", "--calls", "300"),
-              "plain_code_overhead.json", _plain),
-    Benchmark("all_reduce_cpu", "all_reduce_cpu.py", (), ("--rounds", "1"), "all_reduce_cpu.json", _all_reduce),
+              "plain_code_overhead.json", _plain, in_quick=False),
+    Benchmark("all_reduce_cpu", "all_reduce_cpu.py", (), ("--rounds", "1"), "all_reduce_cpu.json", _all_reduce,
+              in_quick=False),
     Benchmark("embedding_lookup", "embedding_lookup.py", (), ("--rounds", "1", "--steps", "3"),
-              "embedding_lookup.json", _embedding),
+              "embedding_lookup.json", _embedding, in_quick=False),
     Benchmark("fit_host_cost", "fit_host_cost.py", (), ("--rounds", "1", "--steps", "5"), "fit_host_cost.json",
-              _fit_host_cost),
+              _fit_host_cost, in_quick=False),
     Benchmark("gpt_plan_program", "gpt_plan_program.py", (), ("--rounds", "1", "--steps", "3"),
-              "gpt_plan_program.json", _gpt_plan),
+              "gpt_plan_program.json", _gpt_plan, in_quick=False),
     Benchmark("loss_reduction", "loss_reduction.py", (), ("--rounds", "1", "--steps", "3"), "loss_reduction.json",
-              _loss_reduction),
+              _loss_reduction, in_quick=False),
     Benchmark("step_program_alone", "step_program_alone.py", (), ("--rounds", "1", "--steps", "5"),
-              "step_program_alone_W2.json", _step_alone),
+              "step_program_alone_W2.json", _step_alone, in_quick=False),
 ]
 
 
@@ -241,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     only = [n for n in args.only.split(",") if n]
     if set(only) - known:
         parser.error(f"--only names unknown benchmarks {sorted(set(only) - known)}; known: {sorted(known)}")
-    chosen = [b for b in BENCHMARKS if not only or b.name in only]
+    chosen = [b for b in BENCHMARKS if (b.name in only if only else b.in_quick or not args.quick)]
     results = HERE / "results" / ("quick" if args.quick else "")
     results.mkdir(parents=True, exist_ok=True)
     report = {"meta": {"command": "python benchmarks/run_all.py" + (" --quick" if args.quick else "")

@@ -268,6 +268,11 @@ class FullyShardedDataParallel(metaclass=_FSDP1Meta):
             _registry.module(layer).fsdp1_root = layer is module
         return module
 
+    # what the returned units have, at torch's paths (FullyShardedDataParallel.no_sync, ...)
+    check_is_root = _FSDP1Methods.check_is_root
+    clip_grad_norm_ = _FSDP1Methods.clip_grad_norm_
+    no_sync = _FSDP1Methods.no_sync
+
     @staticmethod
     def set_state_dict_type(
         module: Any, state_dict_type: StateDictType, state_dict_config: Any = None,

@@ -46,6 +46,27 @@ def sharded_slot_layout(dp: str | None):
     return layout
 
 
+class _ZeroMethods:
+    """torch's ZeroRedundancyOptimizer methods on the Keras optimizer."""
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Nothing to collect ahead: ``state_dict()`` reads every shard (a sharded TF DTensor
+        variable reads as its whole value)."""
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """The whole optimizer state, by variable path (gathered)."""
+        return {v.path: np.asarray(v.numpy()) for v in self.variables}
+
+    def load_state_dict(self, state_dict: dict[str, np.ndarray]) -> None:
+        """Assigns a ``state_dict()`` back (each value is laid out as its variable)."""
+        own = {v.path: v for v in self.variables}
+        missing = sorted(set(own) - set(state_dict))
+        if missing:
+            raise ValueError(f"load_state_dict: the state_dict lacks {missing[:3]}{'...' if len(missing) > 3 else ''}")
+        for path, variable in own.items():
+            variable.assign(state_dict[path])
+
+
 class ZeroRedundancyOptimizer:
     """A Keras optimizer of ``optimizer_class`` whose state is sharded over data parallel.
 
@@ -94,29 +115,13 @@ class ZeroRedundancyOptimizer:
         _registry.optimizer(optimizer).slot_layout = sharded_slot_layout(dp)
         return optimizer
 
+    # what the returned optimizer has, at torch's paths (ZeroRedundancyOptimizer.state_dict, ...)
+    consolidate_state_dict = _ZeroMethods.consolidate_state_dict
+    state_dict = _ZeroMethods.state_dict
+    load_state_dict = _ZeroMethods.load_state_dict
+
 
 _CLASSES: dict[type, type] = {}
-
-
-class _ZeroMethods:
-    """torch's ZeroRedundancyOptimizer methods on the Keras optimizer."""
-
-    def consolidate_state_dict(self, to: int = 0) -> None:
-        """Nothing to collect ahead: ``state_dict()`` reads every shard (a sharded TF DTensor
-        variable reads as its whole value)."""
-
-    def state_dict(self) -> dict[str, np.ndarray]:
-        """The whole optimizer state, by variable path (gathered)."""
-        return {v.path: np.asarray(v.numpy()) for v in self.variables}
-
-    def load_state_dict(self, state_dict: dict[str, np.ndarray]) -> None:
-        """Assigns a ``state_dict()`` back (each value is laid out as its variable)."""
-        own = {v.path: v for v in self.variables}
-        missing = sorted(set(own) - set(state_dict))
-        if missing:
-            raise ValueError(f"load_state_dict: the state_dict lacks {missing[:3]}{'...' if len(missing) > 3 else ''}")
-        for path, variable in own.items():
-            variable.assign(state_dict[path])
 
 
 def _zero_class(optimizer_class: type) -> type:
