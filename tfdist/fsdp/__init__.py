@@ -6,25 +6,23 @@ is sharded with its parameter.  ``FullyShardedDataParallel`` is torch's
 FSDP1 API on top of it.
 """
 
-from tfdist.fsdp._fsdp1 import (
-    BackwardPrefetch,
-    CPUOffload,
-    FullyShardedDataParallel,
-    MixedPrecision,
-    ShardingStrategy,
-)
+from tfdist.fsdp._fsdp1 import FullyShardedDataParallel
 from tfdist.fsdp._fully_shard import (
     FSDPModule, FSDPStyle, UnshardHandle, fully_shard, register_fsdp_forward_method,
 )
 from tfdist.fsdp._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from tfdist.fsdp._state_dict import (
+from tfdist.fsdp.api import (  # FSDP1's configuration types, at torch's tfdist.fsdp.api path too
+    BackwardPrefetch,
+    CPUOffload,
     FullOptimStateDictConfig,
     FullStateDictConfig,
     LocalOptimStateDictConfig,
     LocalStateDictConfig,
+    MixedPrecision,
     OptimStateDictConfig,
     ShardedOptimStateDictConfig,
     ShardedStateDictConfig,
+    ShardingStrategy,
     StateDictConfig,
     StateDictSettings,
     StateDictType,

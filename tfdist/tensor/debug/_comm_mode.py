@@ -163,7 +163,6 @@ def _read_trace(logdir: str) -> _Trace:
     return _Trace(collections.Counter({k: len(v) for k, v in launches.items()}), kernels, calls)
 
 
-_FUNCTION_BYTES: dict[str, tuple[collections.Counter, collections.Counter]] = {}
 _FUNCTION_COLLECTIVES: dict[str, list[tuple[tuple[str, ...], bool, str, float | None]]] = {}
 
 
@@ -175,48 +174,37 @@ def _function_nodes_by_scope(name: str) -> list[tuple[tuple[str, ...], bool, str
     context): each collective node's ``_output_shapes``, dtype and constant
     group size, and the functions it calls.  The scope is the node's name
     without its last part; ``gradient_tape/`` (Keras' and ``tf.GradientTape``'s
-    backward) or a ``..._grad`` segment marks the backward.  A node inside one
-    of tfdist's marked scopes (its reduce-scatter runs as an all-to-all) takes
-    the mark's name.  Cached: a function's body never changes under its name.
+    backward) or a ``..._grad`` segment marks the backward.  Names are the
+    kernels' (tfdist's reduce-scatter is an all-to-all here); renaming happens
+    later (``CommDebugMode._relabel`` and ``_module_view``).  Cached: a
+    function's body never changes under its name.
     """
     if name not in _FUNCTION_COLLECTIVES:
         found = []
         for by_name, node in function_nodes([name]):
-            if node.op in _WIRE:
-                logical = _logical_name(node.name, node.op)
+            logical = _logical_name(node.name, node.op) if node.op in _WIRE else None
+            if logical:
                 segments = tuple(node.name.split("/")[:-1])
-                marks = [m for m in map(_comm_events.scoped_collective, segments) if m is not None]
-                backward = bool(segments) and segments[0] == "gradient_tape" or any(
-                    s.endswith("_grad") for s in segments)
-                if marks and not any(s.endswith("_grad") for s in segments):
-                    logical = marks[-1][0]
+                backward = segments[:1] == ("gradient_tape",) or any(s.endswith("_grad") for s in segments)
                 nbytes = _node_output_bytes(node)
                 k = _constant_input(by_name, node.input[1])
                 sent = _WIRE[node.op](nbytes, k) if nbytes is not None and k is not None else None
-                if logical:
-                    found.append((segments[1:] if segments[:1] == ("gradient_tape",) else segments,
-                                  backward, logical, sent))
+                found.append((segments[1:] if segments[:1] == ("gradient_tape",) else segments,
+                              backward, logical, sent))
         _FUNCTION_COLLECTIVES[name] = found
     return _FUNCTION_COLLECTIVES[name]
 
 
 def _function_collectives(name: str) -> tuple[collections.Counter, collections.Counter]:
-    """(bytes sent per device, collective nodes) by torch name in one call of function ``name``
-    (see :func:`_function_nodes_by_scope`); relabelling to tfdist's names happens later, in aggregate.
-    Cached: a function's body never changes under its name."""
-    if name not in _FUNCTION_BYTES:
-        sent: collections.Counter = collections.Counter()
-        nodes: collections.Counter = collections.Counter()
-        for by_name, node in function_nodes([name]):
-            if node.op in _WIRE:
-                logical = _logical_name(node.name, node.op)
-                nbytes = _node_output_bytes(node)
-                k = _constant_input(by_name, node.input[1])
-                if logical and nbytes is not None and k is not None:
-                    sent[logical] += _WIRE[node.op](nbytes, k)
-                    nodes[logical] += 1
-        _FUNCTION_BYTES[name] = (sent, nodes)
-    return _FUNCTION_BYTES[name]
+    """(bytes sent per device, collective nodes whose bytes are known) by torch name in one call of
+    function ``name``, summed from :func:`_function_nodes_by_scope`."""
+    sent: collections.Counter = collections.Counter()
+    nodes: collections.Counter = collections.Counter()
+    for _, _, logical, n in _function_nodes_by_scope(name):
+        if n is not None:
+            sent[logical] += n
+            nodes[logical] += 1
+    return sent, nodes
 
 
 def _scoped_collectives(executed: str) -> list[tuple[str, str, float, int, tuple[str, ...], bool]]:
@@ -446,12 +434,16 @@ class CommDebugMode:
         sent: dict = collections.defaultdict(lambda: {"forward": collections.Counter(),
                                                       "backward": collections.Counter()})
         scoped, scoped_bytes = collections.Counter(self._scoped), collections.Counter(self._scoped_bytes)
-        # tfdist's reduce-scatter runs as an all-to-all the expansion often leaves without a scope: the
-        # mark in the traced function gives its name, scope and pass; that many bare kernels move there
+        # tfdist's reduce-scatter runs as an all-to-all that the expansion names inside its mark or leaves
+        # bare: the mark in the traced function gives its name, scope and pass; that many kernels move
+        # there, the ones inside a mark first, then bare ones (outside every layer)
         for marked, scope, backward, logical, kernel, out, k, times in self._renamed_scoped:
             plain = classify_kernel(kernel)
-            bare = [key for key in scoped if key[0] == marked and key[3] == plain and len(tree.resolve(key[1])) == 1]
-            for key in bare:
+            inside = [key for key in scoped if key[0] == marked and key[3] == plain
+                      and any(_comm_events.scoped_collective(s) for s in key[1])]
+            bare = [key for key in scoped if key[0] == marked and key[3] == plain and key not in inside
+                    and len(tree.resolve(key[1])) == 1]
+            for key in inside + bare:
                 n = min(times, scoped[key])
                 if n <= 0:
                     continue
