@@ -154,3 +154,42 @@ def test_what_cannot_be_cut_says_why(float64):
         pipeline(residual_net(), (X[:4],), split_spec={"blocks.1.up": SplitPoint.END})  # not called by call
     with pytest.raises(TypeError, match="module must be a Keras model"):
         pipeline(lambda x: x, (X[:4],))
+
+
+class MaskedNet(keras.Model):
+    """Takes a keyword input used on both sides of the cut (as an attention mask is in every block)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.embed, self.block, self.head = keras.layers.Dense(8), Block(), keras.layers.Dense(8)
+
+    def call(self, x, attention_mask=None, scale=1.0):
+        h = self.embed(x) * attention_mask
+        h = pipe_split()(h + self.block(h))
+        return self.head(h) * attention_mask * scale
+
+
+@pytest.mark.parametrize("schedule", [ScheduleGPipe, Schedule1F1B])
+def test_keyword_inputs_reach_the_stages_that_use_them(float64, schedule):
+    keras.utils.set_random_seed(3)
+    model = MaskedNet()
+    mask = (RNG.random((16, 8)) > 0.3).astype("float64")
+    model(X[:1], attention_mask=mask[:1], scale=0.5)
+    with tf.GradientTape() as tape:  # the reference: the whole model on the whole batch, one device
+        want_out = model(X, attention_mask=mask, scale=0.5)
+        loss = mse(want_out, Y)
+    want = tape.gradient(loss, model.trainable_variables)
+    pipe = pipeline(model, (X[:4],), mb_kwargs={"attention_mask": mask[:4], "scale": 0.5})
+    assert pipe.num_stages == 2
+    assert [len(s) for s in pipe.info().stage_inputs] == [1, 2]  # the mask crosses the cut beside h
+    stages = [pipe.build_stage(i, f"CPU:{3 * i}") for i in range(2)]
+    out = schedule(stages, 4, loss_fn=mse).step(X, target=Y, attention_mask=mask)
+    np.testing.assert_allclose(out.numpy(), want_out.numpy(), rtol=1e-12)
+    got = grads_by_variable(stages)
+    for v, g in zip(model.trainable_variables, want):
+        np.testing.assert_allclose(got[id(v)].numpy(), g.numpy(), rtol=1e-10, atol=1e-13)
+    with pytest.raises(TypeError, match=r"stage_0: takes the keyword inputs \['attention_mask'\].*Received: \[\]"):
+        pipe.get_stage_module(0)(tf.constant(X[:4]))
+    with pytest.raises(ValueError, match=r"mb_kwargs=\['attention_mask'\] given for a Sequential model"):
+        pipeline(keras.Sequential([keras.Input((8,)), keras.layers.Dense(8), pipe_split(), keras.layers.Dense(8)]),
+                 (X[:4],), mb_kwargs={"attention_mask": mask[:4]})

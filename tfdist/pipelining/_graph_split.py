@@ -13,20 +13,35 @@ from __future__ import annotations
 from typing import Any
 
 import keras
+import tensorflow as tf
 
 __all__ = ["trace", "ordered_nodes", "GraphStage", "cut"]
 
 
-def trace(module: Any, mb_args: tuple) -> keras.Function:
-    """The Keras graph of ``module`` called on one microbatch's shapes."""
+def _symbolic(a: Any) -> Any:
+    return keras.Input(batch_shape=tuple(a.shape), dtype=a.dtype.name)
+
+
+def trace(module: Any, mb_args: tuple, mb_kwargs: dict | None = None) -> tuple[keras.Function, dict[str, Any]]:
+    """The Keras graph of ``module`` called on one microbatch's shapes, and its keyword inputs.
+
+    Tensor keyword inputs become graph inputs after the positional ones (the
+    returned dict maps each name to its symbolic input); any other keyword
+    value is a constant of the trace, as torch's tracer treats it.
+    """
+    mb_kwargs = mb_kwargs or {}
     if isinstance(module, keras.Function):  # a functional model
-        return module
+        if mb_kwargs:
+            raise ValueError(f"pipeline: mb_kwargs={sorted(mb_kwargs)} given for a functional model, whose inputs "
+                             "are positional; pass them in mb_args in the order of model.inputs.")
+        return module, {}
     if not module.built:
-        module(*mb_args)  # make the weights outside the symbolic trace
-    symbolic = [keras.Input(batch_shape=tuple(a.shape), dtype=a.dtype.name) for a in mb_args]
+        module(*mb_args, **mb_kwargs)  # make the weights outside the symbolic trace
+    symbolic = [_symbolic(a) for a in mb_args]
+    keywords = {k: _symbolic(v) for k, v in mb_kwargs.items() if tf.is_tensor(v)}
     try:
-        outputs = module.call(*symbolic)
-        return keras.Function(symbolic, outputs)
+        outputs = module.call(*symbolic, **{**mb_kwargs, **keywords})
+        return keras.Function(symbolic + list(keywords.values()), outputs), keywords
     except Exception as e:  # noqa: BLE001 - re-raised with what to do about it
         raise TypeError(
             f"pipeline: {type(module).__name__}.call could not be traced with symbolic Keras inputs ({e}). "
@@ -46,8 +61,8 @@ def ordered_nodes(graph: keras.Function) -> list[Any]:
 class _Nodes:
     """A plain holder, so Keras's attribute tracking leaves the node list alone."""
 
-    def __init__(self, nodes: list[Any], inputs: list[Any], outputs: list[Any]) -> None:
-        self.nodes, self.inputs, self.outputs = nodes, inputs, outputs
+    def __init__(self, nodes: list[Any], inputs: list[Any], outputs: list[Any], keywords: dict[str, Any]) -> None:
+        self.nodes, self.inputs, self.outputs, self.keywords = nodes, inputs, outputs, keywords
 
 
 class GraphStage(keras.Model):
@@ -56,17 +71,27 @@ class GraphStage(keras.Model):
     Its inputs are the tensors live at the cut before it (the model's inputs
     for the first stage), its outputs the tensors live at the cut after it
     (the model's outputs for the last stage); a single one is returned bare.
+    The first stage also takes the model's tensor keyword inputs by name
+    (``keywords``); later stages receive any of them they use positionally,
+    as tensors that crossed the cut.
     """
 
-    def __init__(self, nodes: list[Any], inputs: list[Any], outputs: list[Any], name: str) -> None:
+    def __init__(self, nodes: list[Any], inputs: list[Any], outputs: list[Any], name: str,
+                 keywords: dict[str, Any] | None = None) -> None:
         super().__init__(name=name)
-        self._graph = _Nodes(nodes, inputs, outputs)
+        keywords = keywords or {}
+        positional = [t for t in inputs if all(t is not k for k in keywords.values())]
+        self._graph = _Nodes(nodes, positional, outputs, keywords)
         layers = [n.operation for n in nodes if isinstance(n.operation, keras.layers.Layer)]
         self.stage_layers = list(dict.fromkeys(layers))  # tracked: the stage's trainable_variables
         self.built = True
 
-    def call(self, *inputs: Any) -> Any:
+    def call(self, *inputs: Any, **kwargs: Any) -> Any:
+        if set(kwargs) != set(self._graph.keywords):
+            raise TypeError(f"{self.name}: takes the keyword inputs {sorted(self._graph.keywords)} (the tensors "
+                            f"pipeline() was given in mb_kwargs). Received: {sorted(kwargs)}")
         values = {id(t): x for t, x in zip(self._graph.inputs, inputs)}
+        values.update({id(t): kwargs[k] for k, t in self._graph.keywords.items()})
         for node in self._graph.nodes:
             args, kwargs = node.arguments.fill_in(values)
             out = node.operation(*args, **kwargs)
@@ -81,8 +106,10 @@ def _live(tensors: list[Any], made_at: dict[int, int], last_use: dict[int, int],
     return [t for t in tensors if made_at[id(t)] < boundary <= last_use.get(id(t), -1)]
 
 
-def cut(graph: keras.Function, nodes: list[Any], starts: list[int]) -> list[GraphStage]:
-    """Stage modules for ``nodes`` cut before each index in ``starts`` (sorted, in (0, len(nodes)))."""
+def cut(graph: keras.Function, nodes: list[Any], starts: list[int],
+        keywords: dict[str, Any] | None = None) -> list[GraphStage]:
+    """Stage modules for ``nodes`` cut before each index in ``starts`` (sorted, in (0, len(nodes)));
+    ``keywords`` are the graph inputs the first stage takes by name."""
     bounds = [0] + starts + [len(nodes)]
     stage_of = {}
     for k, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
@@ -106,6 +133,6 @@ def cut(graph: keras.Function, nodes: list[Any], starts: list[int]) -> list[Grap
     for k, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
         ins = inputs if k == 0 else _live(tensors, made_at, last_use, lo)
         outs = outputs if hi == len(nodes) else _live(tensors, made_at, last_use, hi)
-        stages.append(GraphStage(nodes[lo:hi], ins, outs, name=f"stage_{k}"))
+        stages.append(GraphStage(nodes[lo:hi], ins, outs, name=f"stage_{k}", keywords=keywords if k == 0 else None))
     return stages
 

@@ -78,7 +78,7 @@ def _sequential_cut(module: keras.Sequential, starts: set[int]) -> list[keras.Se
     return [keras.Sequential(group) for group in groups if group]
 
 
-def _graph_cut(graph: keras.Function, nodes: list[Any], starts: set[int]) -> list[Any]:
+def _graph_cut(graph: keras.Function, nodes: list[Any], starts: set[int], keywords: dict[str, Any]) -> list[Any]:
     def markers_only(lo: int, hi: int) -> bool:
         return all(isinstance(n.operation, PipeSplit) for n in nodes[lo:hi])
 
@@ -87,7 +87,11 @@ def _graph_cut(graph: keras.Function, nodes: list[Any], starts: set[int]) -> lis
     cuts = [lo for lo, hi in zip(cuts, cuts[1:] + [len(nodes)]) if not markers_only(lo, hi)]
     if cuts and markers_only(0, cuts[0]):
         cuts = cuts[1:]
-    return _graph_split.cut(graph, nodes, cuts)
+    return _graph_split.cut(graph, nodes, cuts, keywords)
+
+
+def _is_array(v: Any) -> bool:
+    return tf.is_tensor(v) or hasattr(v, "__array__") and not isinstance(v, (str, bytes))
 
 
 def _layer_named(name: str, module: Any, layers: list[Any]) -> Any:
@@ -172,6 +176,11 @@ def pipeline(module: Any, mb_args: tuple, mb_kwargs: dict | None = None,
         module: the model.
         mb_args: one microbatch of inputs (traces the model and records each
             stage's input and output shapes).
+        mb_kwargs: one microbatch of the model's keyword inputs (a subclassed
+            model's ``call(x, mask=...)``): the first stage takes them by name,
+            as ``schedule.step(x, mask=m)`` passes them; a later stage that
+            uses one receives it across the cut. Values that are not tensors
+            are constants of the trace.
         split_spec: ``{layer: SplitPoint}``, the layer named by its name, its
             path, or torch's attribute form (``"layers.3"``, ``"blocks.0"``).
         split_policy: a function from the model's layers (in the order they
@@ -186,18 +195,23 @@ def pipeline(module: Any, mb_args: tuple, mb_kwargs: dict | None = None,
         pipe = pipeline(model, (x[:4],), split_spec={"blocks.2": SplitPoint.BEGINNING})
         stage = pipe.build_stage(1, device="CPU:2")
     """
-    if mb_kwargs:
-        raise ValueError("pipeline: keyword inputs are not supported; pass the microbatch in mb_args.")
+    if mb_kwargs is not None and not isinstance(mb_kwargs, dict):
+        raise TypeError(f"pipeline: mb_kwargs must be a dict of keyword inputs. Received: mb_kwargs={mb_kwargs!r}")
+    mb_kwargs = {k: tf.convert_to_tensor(v) if _is_array(v) else v for k, v in (mb_kwargs or {}).items()}
     if not isinstance(module, keras.layers.Layer):
         raise TypeError(f"pipeline: module must be a Keras model. Received: a {type(module).__name__}")
     x = tuple(tf.convert_to_tensor(a) for a in mb_args)
+    keywords: dict[str, Any] = {}
     if isinstance(module, keras.Sequential):
+        if mb_kwargs:
+            raise ValueError(f"pipeline: mb_kwargs={sorted(mb_kwargs)} given for a Sequential model, which takes "
+                             "one positional input.")
         layers = list(module.layers)
         starts = _starts(module, layers, {id(layer): i for i, layer in enumerate(layers)}, split_spec, split_policy)
         starts |= {i for i, layer in enumerate(layers) if isinstance(layer, PipeSplit)}
         modules = _sequential_cut(module, starts)
     else:
-        graph = _graph_split.trace(module, x)
+        graph, keywords = _graph_split.trace(module, x, mb_kwargs)
         nodes = _graph_split.ordered_nodes(graph)
         first_index: dict[int, int] = {}
         for i, node in enumerate(nodes):
@@ -206,13 +220,13 @@ def pipeline(module: Any, mb_args: tuple, mb_kwargs: dict | None = None,
                        if isinstance(n.operation, keras.layers.Layer)}.values())
         starts = _starts(module, layers, first_index, split_spec, split_policy)
         starts |= {i + 1 for i, node in enumerate(nodes) if isinstance(node.operation, PipeSplit)}
-        modules = _graph_cut(graph, nodes, starts)
+        modules = _graph_cut(graph, nodes, starts, keywords)
     if len(modules) < 2:
         raise ValueError("pipeline: the split points leave a single stage; name at least one layer in split_spec "
                          "or add a pipe_split() marker.")
     inputs, outputs = [], []
-    for stage in modules:
-        y = stage(*x)
+    for k, stage in enumerate(modules):
+        y = stage(*x, **({name: mb_kwargs[name] for name in keywords} if k == 0 else {}))
         ys = tuple(y) if isinstance(y, (tuple, list)) else (y,)
         inputs.append(tuple(tf.TensorSpec(a.shape, a.dtype) for a in x))
         outputs.append(tuple(tf.TensorSpec(a.shape, a.dtype) for a in ys))
