@@ -341,6 +341,26 @@ def test_pipeline_stages_on_two_clients_give_the_unpipelined_gradients():
     assert "[rank 0] OK rank 0 GPipe stages [0, 1] bytes sent 1152" in out.stdout
 
 
+def test_stage_meshes_spanning_clients_clash_unless_every_client_issues_every_stages_ops():
+    """docs/design.md's reason for refusing a stage whose sub-mesh spans clients, kept true: 4 clients x 2
+    devices, two 4-device stage meshes of 2 clients each. Each client running only its own stage's all-reduce
+    gets a group key the other stage also got; every client issuing both (the other's on a remote mesh) works."""
+    repro = str(HERE.parent.parent / "docs" / "tf_dtensor_repros" / "stage_mesh_across_clients.py")
+    args = ("--nproc-per-node", "4", "--devices-per-proc", "2")
+    diverge = launch(*args, "--master-port", str(free_base_port(4)), repro)
+    assert diverge.returncode != 0
+    assert "is joining a group that is already full (group_key=0)" in diverge.stdout + diverge.stderr
+    old_mode = ENV.get("MODE")
+    ENV["MODE"] = "lockstep"
+    try:
+        lockstep = launch(*args, "--master-port", str(free_base_port(4)), repro)
+    finally:
+        ENV.pop("MODE") if old_mode is None else ENV.__setitem__("MODE", old_mode)
+    assert lockstep.returncode == 0, lockstep.stderr[-3000:]
+    for rank in range(4):
+        assert f"rank {rank} (lockstep): stage {rank // 2}'s all-reduce correct: True" in lockstep.stdout
+
+
 @pytest.mark.parametrize("via", ["args", "env"])
 def test_keras_distribution_initialize_starts_the_clients_and_fit_equals_one_process(tmp_path, via):
     """keras.distribution.initialize(job_addresses, num_processes, process_id) -- or Keras' own

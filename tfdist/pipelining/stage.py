@@ -121,7 +121,9 @@ class PipelineStage:
         if isinstance(device, DeviceMesh) and len(device.to_tf().local_devices()) != device.to_tf().size:
             raise ValueError(
                 f"device: stage {stage_index}'s sub-mesh {device} spans several clients; a stage runs on one "
-                "client's devices (give each client's stages sub-meshes of its own devices)."
+                "client's devices (give each client's stages sub-meshes of its own devices). Clients that run "
+                "different stages' programs give TF DTensor's collectives clashing group keys; see "
+                "docs/design.md, 'A stage whose sub-mesh spans clients'."
             )
         self.submod = submodule
         self.stage_index, self.num_stages = stage_index, num_stages
