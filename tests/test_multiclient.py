@@ -315,7 +315,7 @@ def test_the_multi_client_pipeline_example_in_the_docs_runs(tmp_path):
     import re
 
     text = (HERE.parents[1] / "docs" / "pipelining.md").read_text()
-    (code,) = re.findall(r"```py\n(.*?)```", text, re.S)
+    code, spanning = re.findall(r"```py\n(.*?)```", text, re.S)
     script = tmp_path / "pipeline_2clients.py"
     script.write_text(code)
     out = launch("--nproc-per-node", "2", "--devices-per-proc", "2", "--master-port", str(free_base_port(2)),
@@ -323,6 +323,17 @@ def test_the_multi_client_pipeline_example_in_the_docs_runs(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "[rank 0] rank 0: output None, 0 losses, grads of stages [0, 1]" in out.stdout, out.stdout[-2000:]
     assert "[rank 1] rank 1: output (8, 6), 4 losses, grads of stages [2, 3]" in out.stdout, out.stdout[-2000:]
+    # the stages-spanning-clients example: 4 clients, 2 per stage
+    script = tmp_path / "pipeline_spanning.py"
+    script.write_text(spanning)
+    out = launch("--nproc-per-node", "4", "--devices-per-proc", "2", "--master-port", str(free_base_port(4)),
+                 str(script), timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    grads = "grads [(8, 16), (16,), (16, 8), (8,)]"
+    for rank in range(4):
+        output = "None" if rank < 2 else "(16, 8)"
+        assert f"[rank {rank}] rank {rank}: stage {rank // 2}, output {output}, {grads}" in out.stdout, \
+            out.stdout[-2000:]
 
 
 def test_pipeline_stages_on_two_clients_give_the_unpipelined_gradients():
@@ -339,6 +350,24 @@ def test_pipeline_stages_on_two_clients_give_the_unpipelined_gradients():
     # torch's point-to-point bytes: each activation forward and each input gradient back crosses once
     # (8 x 6 float64 per step each way per boundary; 2 steps and an eval): client 0 of GPipe sends 3 x 384
     assert "[rank 0] OK rank 0 GPipe stages [0, 1] bytes sent 1152" in out.stdout
+
+
+def test_pp_across_clients_with_fsdp_and_tp_inside_stages_spanning_clients_trains_like_one_device():
+    """4 clients x 2 devices: 2 stage groups, each a (dp, tp) = 2 x 2 sub-mesh spanning 2 clients, TP over tp
+    and FSDP over dp inside each stage; every schedule's weights, losses and output after 3 Adam steps equal
+    the whole model's on one device (float64)."""
+    out = launch("--nproc-per-node", "4", "--devices-per-proc", "2", "--master-port", str(free_base_port(4)),
+                 str(HERE / "pipeline_3d.py"), timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for name, stages, sent in (("GPipe", ([0], [1]), 3072), ("1F1B", ([0], [1]), 3072),
+                               ("Interleaved1F1B", ([0, 2], [1, 3]), 9216), ("LoopedBFS", ([0, 2], [1, 3]), 9216),
+                               ("InterleavedZeroBubble", ([0, 2], [1, 3]), 9216),
+                               ("ZBVZeroBubble", ([0, 3], [1, 2]), 6144), ("DualPipeV", ([0, 3], [1, 2]), 6144)):
+        for rank in range(4):
+            # torch's bytes: per step, each of the 2 client pairs carries the 16 x 8 float64 batch's
+            # activations (4 microbatches of 256 B) forward or its input gradients back, once per boundary
+            assert f"[rank {rank}] OK rank {rank} {name} stages {stages[rank // 2]} bytes sent {sent}" in out.stdout, \
+                out.stdout[-3000:]
 
 
 def test_stage_meshes_spanning_clients_clash_unless_every_client_issues_every_stages_ops():

@@ -303,13 +303,24 @@ def is_initialized() -> bool:
 
 
 def barrier() -> None:
-    """Blocks until every client reaches it (a one-element all-reduce over all devices)."""
+    """Blocks until every client reaches it, after this client's pending device work.
+
+    Across clients it meets through the coordination service's key-value store, not a TF DTensor
+    collective: once pipeline stages on sub-meshes of different clients have run, the clients have
+    lowered different programs and TF DTensor's per-process collective keys no longer agree for a new
+    collective over all devices (docs/design.md, "A stage whose sub-mesh spans clients").
+    """
     kind = _initialized_device_type or detect_device_type()
     n = num_global_devices(kind)
     if n == 1:
         return
-    mesh = dtensor.create_distributed_mesh([("all", n)], device_type=kind) if is_multi_client() \
-        else dtensor.create_mesh([("all", n)], device_type=kind)
+    if is_multi_client():
+        from tfdist._client_kv import Group  # imports this module
+
+        context.async_wait()  # this client's queued ops finish first, as a collective would wait for them
+        Group(no_dist=False, namespace="barrier").all_gather(None)
+        return
+    mesh = dtensor.create_mesh([("all", n)], device_type=kind)
     ones = dtensor.call_with_layout(tf.ones, dtensor.Layout(["all"], mesh), shape=(n,))
     total = dtensor.relayout(tf.reduce_sum(ones, keepdims=True), dtensor.Layout.replicated(mesh, 1))
     dtensor.unpack(total)[0].numpy()

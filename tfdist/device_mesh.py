@@ -10,11 +10,13 @@ compose into one layout on the parent 2-D mesh.
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
+import tensorflow as tf
 from tensorflow.experimental import dtensor
 from tensorflow.python.framework import device as tf_dev
 
@@ -57,6 +59,8 @@ def _build_tf_mesh(
     device order is a permutation of that list.  Across clients each client
     must own a contiguous block of positions.
     """
+    if _runtime.is_multi_client() and ids.size != _runtime.num_global_devices(device_type):
+        return _build_sub_tf_mesh(device_type, ids, names)
     n_global = ids.size
     n_local = n_global // _runtime.get_world_size()
     first = _runtime.get_rank() * n_local
@@ -81,11 +85,92 @@ def _build_tf_mesh(
     )
 
 
+def global_device_name(local_example: str, device_id: int, per_client: int) -> str:
+    """The full name of global device ``device_id`` (client ``id // per_client``, its ``id % per_client``-th
+    device), written like this client's ``local_example`` (every client has the same devices)."""
+    spec = tf_dev.DeviceSpec.from_string(local_example)
+    return spec.replace(task=device_id // per_client, device_index=device_id % per_client).to_string()
+
+
+def sub_mesh_spec(device_type: str, ids: np.ndarray, names: tuple[str, ...]) -> dict:
+    """What every client needs to build the TF mesh of ``ids`` (a subset of the global devices):
+    its shape, dim names and the full name of the device at each position."""
+    local = dtensor.local_devices(device_type)
+    per_client = len(local)
+    return {"shape": list(ids.shape), "names": list(names),
+            "devices": [global_device_name(_name(local[0]), int(i), per_client) for i in ids.ravel()]}
+
+
+def _name(device: Any) -> str:
+    return device.to_string() if hasattr(device, "to_string") else str(device)
+
+
+def tf_mesh_from_spec(spec: dict) -> dtensor.Mesh:
+    """The TF mesh ``sub_mesh_spec`` describes, as this client sees it: its own devices local, or a
+    *remote* mesh (no local devices; TF DTensor lowers ops on it and skips running them)."""
+    me = _runtime.get_rank()
+    positions = [p for p, d in enumerate(spec["devices"]) if tf_dev.DeviceSpec.from_string(d).task == me]
+    return dtensor.Mesh(
+        dim_names=spec["names"],
+        global_device_ids=np.arange(len(spec["devices"])).reshape(spec["shape"]),
+        local_device_ids=positions,
+        local_devices=[spec["devices"][p] for p in positions],
+        global_devices=list(spec["devices"]),
+    )
+
+
+def reserve_collective_keys(tf_mesh: dtensor.Mesh) -> None:
+    """Gives every group of devices of ``tf_mesh`` its collective key on every client, now.
+
+    TF DTensor keys a collective by a per-process counter, bumped the first time it lowers a
+    collective over a given (mesh, group of mesh dims) and cached after that
+    (``GetCollectiveKeyBase`` in tensorflow/dtensor/mlir/collectives.cc). Clients that later run
+    different sub-meshes' programs (pipeline stages) would draw the same number for different groups,
+    and TF's collective group leader refuses the second ("joining a group that is already full").
+    Lowering one reduction over every subset of the mesh's dims here, on every client in the same
+    order (on a client outside the mesh TF lowers and skips it), fixes each group's key before any
+    client's programs diverge (docs/design.md, "A stage whose sub-mesh spans clients").
+    """
+    dims = list(tf_mesh.dim_names)
+    for size in range(1, len(dims) + 1):
+        for subset in itertools.combinations(dims, size):
+            layout = dtensor.Layout(list(subset), tf_mesh)
+            ones = dtensor.call_with_layout(tf.ones, layout, shape=[tf_mesh.dim_size(d) for d in subset])
+            tf.reduce_sum(ones)  # an all-reduce over ``subset``
+            dtensor.relayout(ones, dtensor.Layout.replicated(tf_mesh, size))  # an all-gather over it
+
+
+def _build_sub_tf_mesh(device_type: str, ids: np.ndarray, names: tuple[str, ...]) -> dtensor.Mesh:
+    """A mesh over some of the global devices of a multi-client job (a pipeline stage's sub-mesh).
+
+    Each client's devices must sit at consecutive mesh positions (TF DTensor gives each client one
+    block). Every client builds every sub-mesh, in the same order, as torch's ``new_group`` is called
+    by every rank: a client that owns none of its devices gets a *remote* mesh (it cannot compute on
+    it), and the collective keys of the mesh's device groups are fixed on all clients alike.
+    """
+    per_client = len(dtensor.local_devices(device_type))
+    flat = ids.ravel().tolist()
+    clients = [i // per_client for i in flat]
+    blocks = [c for k, c in enumerate(clients) if k == 0 or clients[k - 1] != c]
+    if len(blocks) != len(set(blocks)):
+        raise ValueError(
+            f"mesh: each client's devices must sit at consecutive mesh positions (row-major); their clients "
+            f"here are {clients}. Received: mesh={ids.tolist()!r}"
+        )
+    tf_mesh = tf_mesh_from_spec(sub_mesh_spec(device_type, ids, names))
+    reserve_collective_keys(tf_mesh)
+    return tf_mesh
+
+
 def _device_ids(tf_mesh: dtensor.Mesh) -> np.ndarray:
     """Device id at each mesh position (the ``mesh`` array torch shows)."""
     shape = tf_mesh.shape()
     ids = np.asarray(tf_mesh.global_device_ids()).reshape(shape)
     if _runtime.is_multi_client():
+        if tf_mesh.size < _runtime.num_global_devices(tf_mesh.device_type()):  # a sub-mesh: its device ids
+            per_client = len(dtensor.local_devices(tf_mesh.device_type()))
+            specs = [tf_dev.DeviceSpec.from_string(d) for d in tf_mesh.global_devices()]
+            return np.asarray([s.task * per_client + s.device_index for s in specs]).reshape(shape)
         return ids
     # One client: a position's device id is the index of the device it maps to.
     index = [tf_dev.DeviceSpec.from_string(d).device_index for d in tf_mesh.local_devices()]
@@ -104,6 +189,12 @@ class DeviceMesh:
         mesh: array-like of global device ids; its shape is the mesh shape.
         mesh_dim_names: one name per mesh dim; ``None`` leaves the mesh
             unnamed (it then cannot be sliced by name).
+
+    In a multi-client job a mesh over some of the devices (a pipeline
+    stage's sub-mesh) is built by *every* client, in the same order, as
+    torch's ``new_group`` is called by every rank; each client's devices sit
+    at consecutive positions. On a client owning none of its devices the mesh
+    is remote (``is_remote()``; ``get_coordinate()`` is ``None``).
 
     Example:
         >>> mesh = DeviceMesh("cpu", [[0, 1, 2, 3], [4, 5, 6, 7]], mesh_dim_names=("dp", "tp"))
@@ -131,7 +222,7 @@ class DeviceMesh:
             )
         n = _runtime.num_global_devices(tf_type)
         flat = ids.ravel().tolist()
-        subset_ok = not _runtime.is_multi_client()  # one client may use some of its devices
+        subset_ok = True  # a stage's sub-mesh; across clients each client's devices form one block
         if len(set(flat)) != len(flat) or not all(0 <= i < n for i in flat) or (
             len(flat) != n and not subset_ok
         ):
@@ -253,11 +344,17 @@ class DeviceMesh:
     @property
     def mesh(self) -> np.ndarray:
         """Device ids of this mesh (for a slice: the group of this client's first device)."""
+        if self.is_remote():
+            return self._ids
         coord = self._position_coordinate(self._tf_mesh.local_device_ids()[0])
         index = tuple(
             slice(None) if d in self._dims else coord[d] for d in range(self._ids.ndim)
         )
         return self._ids[index]
+
+    def is_remote(self) -> bool:
+        """True on a client that owns none of this mesh's devices (a sub-mesh of other clients)."""
+        return self._tf_mesh.is_remote()
 
     def local_device_ids(self) -> list[int]:
         """Ids of this client's devices, in mesh order."""
@@ -271,9 +368,11 @@ class DeviceMesh:
         """Mesh coordinate of this client's first device.
 
         torch gives each rank one device; here one client may own several, so
-        this is the coordinate of the first one (see :meth:`local_coordinates`).
+        this is the coordinate of the first one (see :meth:`local_coordinates`); ``None`` on a client
+        outside the mesh, as torch's ``get_coordinate`` for a rank outside it.
         """
-        return self.local_coordinates()[0]
+        coords = self.local_coordinates()
+        return coords[0] if coords else None
 
     def local_coordinates(self) -> list[list[int]]:
         """Mesh coordinates of every local device, in mesh order."""

@@ -304,6 +304,10 @@ def to_dvariable(variable: Any, layout: dtensor.Layout) -> None:
     variable._value = make_dvariable(value, layout, trainable=variable.trainable, name=variable.name)
 
 
+def _host_cpu() -> str:
+    return tf.config.list_logical_devices("CPU")[0].name
+
+
 def install() -> None:
     from keras.src.backend.common import KerasVariable
     core_ = "keras.src.backend.tensorflow.core:Variable."
@@ -332,7 +336,12 @@ def install() -> None:
         # their initial value must be made eagerly.
         with tf.init_scope():
             if callable(value):
-                value = value()
+                # on this client's CPU: Keras' TF optimizer makes slots under colocate_vars_with(the
+                # parameter), the DTensor device, where an initializer's op would land on TF DTensor's
+                # default mesh -- another model's, or, with sub-meshes of other clients, a remote one
+                # whose tensors hold no value
+                with tf.device(_host_cpu()):
+                    value = value()
             value = tf.cast(tf.convert_to_tensor(value), self._dtype)
             self._value = make_dvariable(value, layout, trainable=self.trainable, name=self.name)
 

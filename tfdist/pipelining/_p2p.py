@@ -24,10 +24,20 @@ from typing import Any
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-__all__ = ["Channel"]
+__all__ = ["Channel", "as_local", "channel_index"]
 
 _HEADER_LEN = 64  # int64 slots: count, then (dtype, rank, dims...) per tensor
-_POSITIONS = 1 << 20  # instance keys per channel and step
+_POSITIONS = 1 << 14  # instance keys per channel and step (tensors a channel carries in one step)
+_PAIRS = 1 << 8  # client pairs per boundary (stages on sub-meshes spanning up to 256 clients)
+
+
+def channel_index(boundary: int, direction: int, pair: int) -> int:
+    """The number of one channel: the boundary after stage ``boundary``, ``direction`` 0 forward and 1
+    backward, ``pair`` the client pair of stages spanning clients; the same on both clients."""
+    if not 0 <= pair < _PAIRS or (2 * boundary + 1 + 1) * _PAIRS * _POSITIONS >= 1 << 31:
+        raise ValueError(f"a pipeline has at most {(1 << 31) // (_PAIRS * _POSITIONS) // 2} boundaries and "
+                         f"{_PAIRS} client pairs per boundary; received boundary {boundary}, pair {pair}.")
+    return (2 * boundary + direction) * _PAIRS + pair
 
 
 def group_key(index: int, source_device: str, target_device: str) -> int:
@@ -40,7 +50,7 @@ def group_key(index: int, source_device: str, target_device: str) -> int:
     return (1 << 30) | (zlib.crc32(f"{index}|{source_device}|{target_device}".encode()) & ((1 << 30) - 1))
 
 
-def _as_local(t: Any) -> tf.Tensor:
+def as_local(t: Any) -> tf.Tensor:
     """A stage output as one plain tensor: a DTensor of a sub-mesh stage is replicated first."""
     if isinstance(t, tf.Tensor) and dtensor.is_dtensor(t):
         layout = dtensor.fetch_layout(t)
@@ -95,6 +105,8 @@ class Channel:
 
     def _instance_key(self) -> int:
         # the same sequence on both sides; reused from step to step, as a compiled collective is
+        if self._position >= _POSITIONS - 1:
+            raise ValueError(f"pipeline channel {self.index}: at most {_POSITIONS - 1} tensors per step.")
         key = 1 + self.index * _POSITIONS + self._position
         self._position += 1
         return key
@@ -113,7 +125,7 @@ class Channel:
 
     def send(self, tensors: tuple) -> None:
         """Sends one microbatch's tensors (a tuple) to the other client."""
-        tensors = tuple(_as_local(t) for t in tensors)
+        tensors = tuple(as_local(t) for t in tensors)
         if self._specs is None:
             self._send_one(_header(tensors))
             self._specs = [(t.shape.as_list(), t.dtype) for t in tensors]

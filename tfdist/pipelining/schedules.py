@@ -33,9 +33,10 @@ from tfdist._client_kv import Group
 from tfdist.pipelining import _orders
 from tfdist.pipelining import _timeline
 from tfdist.pipelining._actions import B, F, I, OVERLAP_F_B, REDUCE_GRAD, W, Action, format_pipeline_order
-from tfdist.pipelining._p2p import Channel
+from tfdist.device_mesh import DeviceMesh
+from tfdist.pipelining._p2p import Channel, as_local, channel_index
 from tfdist.pipelining.microbatch import TensorChunkSpec, merge_chunks, split_args_kwargs_into_chunks
-from tfdist.pipelining.stage import PipelineStage
+from tfdist.pipelining.stage import _EAGER_LOCK, PipelineStage
 
 __all__ = [
     "PipelineScheduleSingle", "PipelineScheduleMulti", "ScheduleGPipe", "Schedule1F1B",
@@ -69,14 +70,32 @@ class PipelineStallError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class _Place:
-    """Where a stage lives: its client and its devices (full names)."""
+    """Where a stage lives: each of its clients with that client's devices of it (full names)."""
 
-    client: int
-    devices: tuple[str, ...]
+    by_client: tuple[tuple[int, tuple[str, ...]], ...]
+
+    @property
+    def clients(self) -> tuple[int, ...]:
+        return tuple(c for c, _ in self.by_client)
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        return tuple(d for _, devices in self.by_client for d in devices)
+
+    def devices_of(self, client: int) -> tuple[str, ...]:
+        return dict(self.by_client)[client]
 
     @property
     def device_key(self) -> str:
         return ",".join(self.devices)
+
+
+def _mesh_devices(stage: PipelineStage) -> list[str] | None:
+    """The full names of every device of a stage's sub-mesh (all clients'), or None for a device."""
+    if not isinstance(stage.device, DeviceMesh):
+        return None
+    tf_mesh = stage.device.to_tf()
+    return list(tf_mesh.global_devices() or tf_mesh.local_devices())
 
 
 class _PipelineSchedule:
@@ -109,6 +128,7 @@ class _PipelineSchedule:
         self._client = _runtime.get_rank() if _runtime.is_multi_client() else 0
         self._places = self._discover()
         self._received: dict[tuple[int, str, int], tuple] = {}
+        self._outgoing: dict[tuple[int, str, int], tuple] = {}  # made by a rank, sent by a channel
         self._channels: list[tuple[Channel, str, int]] | None = None
         self.executed_order: dict[int, list[tuple[str, float, float]]] = {}
 
@@ -131,22 +151,31 @@ class _PipelineSchedule:
     def _discover(self) -> dict[int, _Place]:
         """Every stage's client and devices: this client's, or (multi-client) every client's, gathered
         through the coordination service."""
-        mine = [(i, st.num_stages, st.devices) for i, st in sorted(self._local.items())]
+        mine = [(i, st.num_stages, st.devices, _mesh_devices(st)) for i, st in sorted(self._local.items())]
         if _runtime.is_multi_client():
             gathered = Group(no_dist=False, timeout=self.p2p_timeout, namespace="pipelining").all_gather(mine)
         else:
             gathered = [mine]
-        places: dict[int, _Place] = {}
+        by_stage: dict[int, list[tuple[int, tuple[str, ...]]]] = {}
+        meshes: dict[int, list] = {}
         for client, items in enumerate(gathered):
-            for index, num, devices in items:
+            for index, num, devices, mesh in items:
                 if num != self._num_stages:
                     raise ValueError("stages: every stage must be built with the same num_stages; "
                                      f"stage {index} on client {client} has {num}, not {self._num_stages}.")
-                if index in places:
-                    raise ValueError(f"stages: stage {index} is held by clients {places[index].client} and {client}; "
-                                     "each stage belongs to one client.")
-                places[index] = _Place(client, tuple(devices))
-        return places
+                # a stage on a sub-mesh spanning clients is built by each of them, with its own devices
+                by_stage.setdefault(index, []).append((client, tuple(devices)))
+                meshes.setdefault(index, []).append(mesh)
+        for index, held in by_stage.items():
+            clients = [c for c, _ in held]
+            spanned = {tf.DeviceSpec.from_string(d).task for d in meshes[index][0] or ()}
+            if len(held) > 1 and (any(m != meshes[index][0] for m in meshes[index]) or set(clients) != spanned):
+                raise ValueError(
+                    f"stages: stage {index} is held by clients {clients[0]} and {clients[1]}; a stage belongs to "
+                    "one client, or to the clients of the one sub-mesh (DeviceMesh) it is built on, each of "
+                    "them building it."
+                )
+        return {index: _Place(tuple(held)) for index, held in by_stage.items()}
 
     def _check_stages(self) -> None:
         indices = sorted(self._places)
@@ -165,6 +194,33 @@ class _PipelineSchedule:
                         f"stages on overlapping devices: stage {index} (pipeline rank {rank}) uses {device}, "
                         f"which pipeline rank {owner[device]} uses too. Give each pipeline rank its own devices."
                     )
+        self._check_spanning_stages()
+
+    def _check_spanning_stages(self) -> None:
+        """Stages on sub-meshes spanning clients: neighbours pair their clients one to one, and each such
+        client runs one pipeline rank (its clients then issue the rank's TF DTensor ops in one order,
+        which TF's collectives between them need)."""
+        if all(len(p.clients) == 1 for p in self._places.values()):
+            return
+        for s in range(self._num_stages - 1):
+            a, b = self._places[s].clients, self._places[s + 1].clients
+            if a != b and (len(a) != len(b) or set(a) & set(b)):
+                raise ValueError(
+                    f"stages {s} and {s + 1} are on clients {list(a)} and {list(b)}: neighbouring stages on "
+                    "sub-meshes spanning clients must be on the same clients or on as many other clients "
+                    "(the i-th client of one sends to the i-th of the other, as torch pairs ranks)."
+                )
+        ranks: dict[int, set[int]] = {}
+        for index, place in self._places.items():
+            for client in place.clients:
+                ranks.setdefault(client, set()).add(self._rank_of(index))
+        for client, held in sorted(ranks.items()):
+            if len(held) > 1:
+                raise ValueError(
+                    f"client {client} holds stages of pipeline ranks {sorted(held)}; with stages on sub-meshes "
+                    "spanning clients each client runs one pipeline rank (one thread issues its TF DTensor "
+                    "ops, in the same order as the other clients of its stages)."
+                )
 
     # -- running -------------------------------------------------------------------------------------
     def step(self, *args: Any, target: Any = None, losses: list | None = None, loss_kwargs: dict | None = None,
@@ -226,16 +282,17 @@ class _PipelineSchedule:
             s.clear_runtime_states()
             s.record_for_backward = backward  # eval() keeps no activations
         self._received.clear()
+        self._outgoing.clear()
         order = self._execution_order()
         # forward only: every forward of the plan, those paired with a backward in OVERLAP_F_B included
         queues = {r: [a for a in acts if a is not None] if backward else
                   [a for a in _flat(acts) if a.computation_type == F]
-                  for r, acts in order.items() if self._places[self._stage_of(r)].client == self._client}
+                  for r, acts in order.items() if self._client in self._places[self._stage_of(r)].clients}
         done: set[tuple[int, str, int | None]] = set()
         self.executed_order = {r: [] for r in queues}
         if self.concurrent:
             self._run_concurrently(queues, self._transfers(order, backward), args_split, targets, done)
-        elif len({p.client for p in self._places.values()}) > 1:
+        elif len({c for p in self._places.values() for c in p.clients}) > 1:
             raise ValueError("concurrent=False runs one process's whole pipeline; a pipeline across clients "
                              "runs with concurrent=True.")
         else:
@@ -252,17 +309,25 @@ class _PipelineSchedule:
     # -- transfers between clients -------------------------------------------------------------------
     def _channel_list(self) -> list[tuple[Channel, str, int]]:
         """This client's channels: (channel, "F" or "dx", boundary stage), one per direction of each
-        boundary between this client and another; numbered alike on every client."""
+        boundary between this client and another; numbered alike on every client.
+
+        Stages on sub-meshes spanning several clients pair their clients in order (the i-th client
+        of stage s with the i-th of stage s + 1), as torch pairs the ranks of neighbouring stages;
+        each pair carries the whole (replicated) tensor once.
+        """
         if self._channels is None:
             self._channels = []
             for s in range(self._num_stages - 1):
                 a, b = self._places[s], self._places[s + 1]
-                if a.client == b.client or self._client not in (a.client, b.client):
+                if a.clients == b.clients:
                     continue
-                forward = Channel(2 * s, a.devices[0], b.devices[0], a.client == self._client, self.p2p_timeout)
-                backward = Channel(2 * s + 1, b.devices[0], a.devices[0], b.client == self._client,
-                                   self.p2p_timeout)
-                self._channels += [(forward, "F", s), (backward, "dx", s + 1)]
+                for i, (ca, cb) in enumerate(zip(a.clients, b.clients)):
+                    if self._client not in (ca, cb):
+                        continue
+                    src, dst = a.devices_of(ca)[0], b.devices_of(cb)[0]
+                    forward = Channel(channel_index(s, 0, i), src, dst, ca == self._client, self.p2p_timeout)
+                    backward = Channel(channel_index(s, 1, i), dst, src, cb == self._client, self.p2p_timeout)
+                    self._channels += [(forward, "F", s), (backward, "dx", s + 1)]
         return self._channels
 
     def _transfers(self, order: dict, backward: bool) -> list[tuple[Channel, str, int, list[int]]]:
@@ -291,8 +356,9 @@ class _PipelineSchedule:
                         cond.wait(timeout=1.0)
                     if failures:
                         return
-                source = self._local[stage]
-                channel.send(_as_tuple(source.outputs[m]) if kind == "F" else source.input_grads[m])
+                with cond:
+                    tensors = self._outgoing.pop(key)
+                channel.send(tensors)
             else:
                 tensors = channel.recv()
                 with cond:
@@ -400,6 +466,14 @@ class _PipelineSchedule:
                 cond.notify_all()
                 return
 
+    @staticmethod
+    def _sendable(stage: PipelineStage, tensors: tuple) -> tuple:
+        """What a channel sends: each tensor as one plain (replicated) tensor, made here on the rank's
+        thread, so that every client of a stage spanning clients issues its TF DTensor ops (the
+        relayout's collective among them) in one order."""
+        with _EAGER_LOCK:
+            return tuple(as_local(t) for t in tensors)
+
     def _ready(self, a: Action, done: set) -> bool:
         if a.computation_type == OVERLAP_F_B:
             return all(self._ready(sub, done) for sub in a.sub_actions)
@@ -434,6 +508,8 @@ class _PipelineSchedule:
             else:  # from another client
                 inputs = self._received.pop((s - 1, "F", m))
             out = stage.forward_one_chunk(m, tuple(inputs), keywords)
+            if not stage.is_last and s + 1 not in self._local:
+                self._outgoing[(s, "F", m)] = self._sendable(stage, _as_tuple(out))
             if stage.is_last:
                 stage.output_chunks.append((m, out))
                 if targets is not None:
@@ -451,6 +527,8 @@ class _PipelineSchedule:
         loss_fn = self._loss_fn if stage.is_last else None
         stage.backward_one_chunk(m, loss_fn, inputs=kind in (B, I), weights=kind in (B, W))
         made = set()
+        if kind in (B, I) and s > 0 and s - 1 not in self._local:
+            self._outgoing[(s, "dx", m)] = self._sendable(stage, stage.input_grads[m])
         if kind in (B, I):
             made |= {(s, "I", m), (s, "dx", m)}
         if kind in (B, W):

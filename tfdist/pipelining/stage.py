@@ -118,17 +118,15 @@ class PipelineStage:
             raise TypeError(f"submodule must be a Keras layer or model. Received: {type(submodule).__name__}")
         if not isinstance(device, (str, DeviceMesh)):
             raise TypeError(f"device must be a device name or a DeviceMesh. Received: device={device!r}")
-        if isinstance(device, DeviceMesh) and len(device.to_tf().local_devices()) != device.to_tf().size:
+        if isinstance(device, DeviceMesh) and device.is_remote():
             raise ValueError(
-                f"device: stage {stage_index}'s sub-mesh {device} spans several clients; a stage runs on one "
-                "client's devices (give each client's stages sub-meshes of its own devices). Clients that run "
-                "different stages' programs give TF DTensor's collectives clashing group keys; see "
-                "docs/design.md, 'A stage whose sub-mesh spans clients'."
+                f"device: this client owns none of stage {stage_index}'s sub-mesh {device.mesh.tolist()}; build "
+                "a stage on the clients whose devices its sub-mesh holds (each of them builds it)."
             )
         self.submod = submodule
         self.stage_index, self.num_stages = stage_index, num_stages
         self.device = device
-        self.devices = _device_names(device)  # full names; a stage lives on one client
+        self.devices = _device_names(device)  # full names of this client's devices of the stage
         self.device_key = ",".join(self.devices)
         self.group = group
         self.activation_checkpoint = activation_checkpoint
