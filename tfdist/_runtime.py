@@ -302,10 +302,14 @@ def is_initialized() -> bool:
     return _initialized_device_type is not None
 
 
+_barriers = 0  # barriers this client has passed
+_BARRIER_TIMEOUT_MS = 3_600_000  # an hour: a client that never comes fails the barrier instead of hanging it
+
+
 def barrier() -> None:
     """Blocks until every client reaches it, after this client's pending device work.
 
-    Across clients it meets through the coordination service's key-value store, not a TF DTensor
+    Across clients it meets at a barrier of TF's coordination service, not a TF DTensor
     collective: once pipeline stages on sub-meshes of different clients have run, the clients have
     lowered different programs and TF DTensor's per-process collective keys no longer agree for a new
     collective over all devices (docs/design.md, "A stage whose sub-mesh spans clients").
@@ -315,10 +319,10 @@ def barrier() -> None:
     if n == 1:
         return
     if is_multi_client():
-        from tfdist._client_kv import Group  # imports this module
-
+        global _barriers
         context.async_wait()  # this client's queued ops finish first, as a collective would wait for them
-        Group(no_dist=False, namespace="barrier").all_gather(None)
+        _barriers += 1  # every client passes its barriers in one order: the n-th one has one id everywhere
+        context.context().wait_at_barrier(f"tfdist/barrier/{_barriers}", timeout_in_ms=_BARRIER_TIMEOUT_MS)
         return
     mesh = dtensor.create_mesh([("all", n)], device_type=kind)
     ones = dtensor.call_with_layout(tf.ones, dtensor.Layout(["all"], mesh), shape=(n,))
