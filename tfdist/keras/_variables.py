@@ -334,14 +334,13 @@ def install() -> None:
             return original_initialize(self, value)
         # Variables may be created while a step is traced (optimizer slots):
         # their initial value must be made eagerly.
-        with tf.init_scope():
+        # On this client's CPU: Keras' TF optimizer makes slots under colocate_vars_with(the
+        # parameter), the DTensor device, where an initializer's (and the padding's) op would land on
+        # TF DTensor's default mesh -- another model's, or, with sub-meshes of other clients, a remote
+        # one whose tensors hold no value. make_dvariable moves the host value onto its layout.
+        with tf.init_scope(), tf.device(_host_cpu()):
             if callable(value):
-                # on this client's CPU: Keras' TF optimizer makes slots under colocate_vars_with(the
-                # parameter), the DTensor device, where an initializer's op would land on TF DTensor's
-                # default mesh -- another model's, or, with sub-meshes of other clients, a remote one
-                # whose tensors hold no value
-                with tf.device(_host_cpu()):
-                    value = value()
+                value = value()
             value = tf.cast(tf.convert_to_tensor(value), self._dtype)
             self._value = make_dvariable(value, layout, trainable=self.trainable, name=self.name)
 
