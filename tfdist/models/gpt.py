@@ -23,7 +23,7 @@ from tfdist.tensor.parallel import (
 )
 from tfdist.tensor.placement_types import Replicate, Shard
 
-__all__ = ["GPT", "gpt_tp_plan", "parallelize_gpt"]
+__all__ = ["GPT", "GPTStage", "gpt_tp_plan", "parallelize_gpt", "split_gpt"]
 
 
 class PositionEmbedding(keras.layers.Layer):
@@ -79,6 +79,65 @@ class GPT(keras.Model):
         return self.head(self.ln_f(x))
 
 
+class GPTStage(keras.Model):
+    """One pipeline stage of a built ``GPT``, cut torchtitan-style: the first stage holds
+    the embeddings, the last the final norm and head, each its run of blocks.
+
+    The stage shares the GPT's layers (the same variables) and keeps their names
+    (``blocks.2.mlp.up`` stays ``blocks.2.mlp.up``), so a stage's state dict is a
+    part of the whole model's: a checkpoint saved by the stages of a pipeline loads
+    into the un-pipelined model and back.  Build stages with ``split_gpt``.
+    """
+
+    def __init__(self, model: GPT, blocks: range, *, first: bool, last: bool, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.tok = model.tok if first else None
+        self.pos = model.pos if first else None
+        self.blocks = {str(i): model.blocks[i] for i in blocks}
+        self.ln_f = model.ln_f if last else None
+        self.head = model.head if last else None
+        self.built = True  # its layers are the built GPT's
+
+    def call(self, x):
+        if self.tok is not None:
+            x = self.pos(self.tok(x))
+        for block in self.blocks.values():
+            x = block(x)
+        if self.head is not None:
+            x = self.head(self.ln_f(x))
+        return x
+
+
+def split_gpt(model: GPT, num_stages: int) -> list[GPTStage]:
+    """``model`` cut into ``num_stages`` pipeline stages of consecutive blocks (the
+    first stages take one block more when the depth does not divide evenly).
+
+    Example::
+
+        model = GPT(vocab_size=64, seq_len=16, dim=32, heads=4, depth=4)
+        model(np.zeros((1, 16), "int32"))             # build it: stages share its variables
+        stages = split_gpt(model, 2)                  # blocks 0-1 + embeddings, blocks 2-3 + head
+        parallelize_gpt(stages[1], mesh)              # the GPT plan, for the parts it holds
+        stage = PipelineStage(stages[1], 1, 2, mesh)
+    """
+    if not isinstance(model, GPT):
+        raise TypeError(f"split_gpt needs a tfdist.models.GPT. Received: model of type {type(model).__name__}")
+    if not model.built:
+        raise ValueError("split_gpt needs a built GPT (call it once on a batch of token ids): its stages share "
+                         "its variables. Received: an unbuilt model")
+    depth = len(model.blocks)
+    if not isinstance(num_stages, int) or not 1 <= num_stages <= depth:
+        raise ValueError(f"num_stages must be an int from 1 to the GPT's depth ({depth}): every stage holds at "
+                         f"least one block. Received: num_stages={num_stages!r}")
+    sizes = [depth // num_stages + (i < depth % num_stages) for i in range(num_stages)]
+    starts = [sum(sizes[:i]) for i in range(num_stages)]
+    return [
+        GPTStage(model, range(start, start + size), first=i == 0, last=i == num_stages - 1,
+                 name=f"{model.name}_stage{i}")
+        for i, (start, size) in enumerate(zip(starts, sizes))
+    ]
+
+
 def gpt_tp_plan(*, sequence_parallel: bool = False, loss_parallel: bool = True) -> dict[str, ParallelStyle]:
     """The GPT plan, written as torchtitan writes Llama's: head-sharded attention,
     Megatron MLP, vocabulary-parallel embedding.
@@ -127,11 +186,20 @@ def gpt_tp_plan(*, sequence_parallel: bool = False, loss_parallel: bool = True) 
     }
 
 
+def _holds(model: GPT | GPTStage, key: str) -> bool:
+    """``model`` has the part a plan key starts with (a pipeline stage holds only some)."""
+    part = getattr(model, key.split(".")[0], None)
+    return part is not None and (not isinstance(part, (dict, list)) or len(part) > 0)
+
+
 def parallelize_gpt(
-    model: GPT, mesh: DeviceMesh, *, sequence_parallel: bool = False, loss_parallel: bool = True
-) -> GPT:
-    """Tensor parallel over ``mesh["tp"]`` (or a 1-D mesh); batches over the other dim."""
+    model: GPT | GPTStage, mesh: DeviceMesh, *, sequence_parallel: bool = False, loss_parallel: bool = True
+) -> GPT | GPTStage:
+    """Tensor parallel over ``mesh["tp"]`` (or a 1-D mesh); batches over the other dim.
+
+    ``model`` may be a pipeline stage from ``split_gpt``: the plan's entries for the
+    parts it holds apply (a middle stage has no embeddings and no head).
+    """
     tp = mesh["tp"] if mesh.ndim > 1 else mesh
-    return parallelize_module(
-        model, tp, gpt_tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
-    )
+    plan = gpt_tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    return parallelize_module(model, tp, {key: style for key, style in plan.items() if _holds(model, key)})
