@@ -357,7 +357,8 @@ def test_gpt_3d_across_clients_trains_like_one_device_and_its_checkpoint_crosses
     (dp, tp) = 2 x 2 sub-mesh spanning 2 clients with the GPT plan over tp and FSDP over dp. With every
     schedule, the losses and weights after 10 Adam steps equal the whole GPT's on one device (float64);
     the stages' checkpoint loads into one client's un-pipelined GPT (another mesh), and that model's
-    checkpoint, one step later, loads back into the 4 clients' stages."""
+    checkpoint, one step later, loads back into the 4 clients' stages; placements of stages spanning
+    clients that cannot run are refused on every client."""
     ckpt, ckpt2 = str(tmp_path / "pipelined"), str(tmp_path / "plain")
     script, four = str(HERE / "pipeline_gpt_3d.py"), ("--nproc-per-node", "4", "--devices-per-proc", "2")
     out = launch(*four, "--master-port", str(free_base_port(4)), script, "train", ckpt, timeout=1500)
@@ -381,6 +382,7 @@ def test_gpt_3d_across_clients_trains_like_one_device_and_its_checkpoint_crosses
     out = launch(*four, "--master-port", str(free_base_port(4)), script, "reload", ckpt2, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     for rank in range(4):
+        assert f"[rank {rank}] OK rank {rank} refuses bad placements" in out.stdout, out.stdout[-3000:]
         assert f"[rank {rank}] OK rank {rank} reloaded stages {[[0, 2], [1, 3]][rank // 2]}" in out.stdout
 
 

@@ -10,7 +10,8 @@ steps (float64): the losses and every stage's weights equal the whole GPT's trai
 whole batch. The last schedule's stages save their state dicts into <ckpt> (each client its own shards).
 single: one client, the un-pipelined GPT on a 4 x 2 (dp, tp) mesh, loads <ckpt>: the one-device weights
 after STEPS steps; then one more Adam step, saved into <ckpt2> with the weights as numpy in <ckpt2>.npz.
-reload: the 4 clients' pipeline stages load <ckpt2>: the single client's weights.
+reload: the 4 clients' pipeline stages load <ckpt2>: the single client's weights (first, placements of
+stages spanning clients that cannot run are refused on every client).
 """
 
 import os
@@ -163,6 +164,23 @@ elif mode == "single":
     np.savez(sys.argv[3] + ".npz", **after)
     print(f"OK single loaded {len(want)} tensors, saved", flush=True)
 else:
+    # placements refused on every client, before any program runs: neighbouring stages on different
+    # numbers of clients, and a client holding stages of two pipeline ranks
+    def refusal(meshes, stage_of_client, cls):
+        built = [DeviceMesh("cpu", m, mesh_dim_names=("dp", "tp")) for m in meshes]
+        mine = [P.PipelineStage(keras.layers.Dense(4), i, len(meshes), built[i]) for i in stage_of_client[rank]]
+        try:
+            cls(mine, n_microbatches=4, loss_fn=cross_entropy)
+        except ValueError as e:
+            return str(e)
+        raise AssertionError(f"placement {meshes} was accepted")
+
+    uneven = refusal([[[0, 1], [2, 3]], [[4, 5]], [[6, 7]]], [[0], [0], [1], [2]], P.ScheduleGPipe)
+    assert "stages 0 and 1 are on clients [0, 1] and [2]" in uneven, uneven
+    two_ranks = refusal([[[0], [2]], [[1], [3]], [[4], [6]], [[5], [7]]], [[0, 1], [0, 1], [2, 3], [2, 3]],
+                        P.ScheduleGPipe)
+    assert "client 0 holds stages of pipeline ranks [0, 1]" in two_ranks, two_ranks
+    print(f"OK rank {rank} refuses bad placements", flush=True)
     stages = pipeline_stages(*SCHEDULES["Interleaved1F1B"][1])
     state = {"model": {k: v for st in stages for k, v in get_model_state_dict(st.submod).items()}}
     dcp.load(state, checkpoint_id=sys.argv[2])
