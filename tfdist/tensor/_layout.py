@@ -278,6 +278,8 @@ class DTensorSpec:
             for m in group:  # torch.chunk at each level of the nesting
                 size, start = _shard_extent(shape[d], self.root_shape[m], root_coordinate[m])
                 shape[d], offset[d] = size, offset[d] + start
+            if shape[d] == 0:  # torch places an empty shard at the end of the dim, at any nesting depth
+                offset[d] = self.shape[d]
         return tuple(shape), tuple(offset)
 
     def __repr__(self) -> str:
