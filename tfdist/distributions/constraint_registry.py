@@ -57,3 +57,4 @@ for registry in (biject_to, transform_to):
     registry.register(constraints.stack, lambda c, reg=registry: T.StackTransform(
         [reg(sub) for sub in c.cseq], c.dim))
 transform_to.register(type(constraints.positive_definite), lambda c: T.PositiveDefiniteTransform())
+transform_to.register(type(constraints.positive_semidefinite), lambda c: T.PositiveDefiniteTransform())

@@ -12,7 +12,8 @@ __all__ = [
     "Constraint", "boolean", "real", "real_vector", "positive", "nonnegative", "unit_interval",
     "interval", "half_open_interval", "greater_than", "greater_than_eq", "less_than",
     "integer_interval", "nonnegative_integer", "positive_integer", "simplex", "independent",
-    "lower_triangular", "lower_cholesky", "positive_definite", "dependent", "is_dependent",
+    "lower_triangular", "lower_cholesky", "positive_definite", "positive_semidefinite", "dependent",
+    "is_dependent",
 ]
 
 
@@ -95,18 +96,26 @@ class _HalfOpenInterval(_Interval):
         return tf.logical_and(tf.greater_equal(value, self.lower_bound), tf.less(value, self.upper_bound))
 
 
+def _is_integer(value):
+    """torch's ``value % 1 == 0``: false for infinities and NaN, true for any finite float that is whole."""
+    value = tf.convert_to_tensor(value)
+    if value.dtype.is_integer:
+        return tf.ones_like(value, tf.bool)
+    return tf.equal(tf.math.floormod(value, tf.ones_like(value)), 0)
+
+
 class _IntegerInterval(_Interval):
     is_discrete = True
 
     def check(self, value):
-        return tf.logical_and(tf.equal(value, tf.round(value)), super().check(value))
+        return tf.logical_and(_is_integer(value), super().check(value))
 
 
 class _IntegerGreaterThan(_GreaterThanEq):
     is_discrete = True
 
     def check(self, value):
-        return tf.logical_and(tf.equal(value, tf.round(value)), super().check(value))
+        return tf.logical_and(_is_integer(value), super().check(value))
 
     def __repr__(self):
         return f"IntegerGreaterThan(lower_bound={self.lower_bound})"
@@ -157,12 +166,32 @@ class _LowerCholesky(_LowerTriangular):
         return tf.logical_and(super().check(value), tf.reduce_all(diag > 0, axis=-1))
 
 
+def _is_symmetric(value):
+    """torch's ``isclose(value, value.mT, atol=1e-6).all()`` per matrix (rtol 1e-5, as torch's default)."""
+    value = tf.convert_to_tensor(value)
+    other = tf.linalg.matrix_transpose(value)
+    close = tf.abs(value - other) <= 1e-6 + 1e-5 * tf.abs(other)
+    return tf.reduce_all(close, axis=[-2, -1])
+
+
 class _PositiveDefinite(Constraint):
+    """Symmetric with every eigenvalue > 0 (torch: a Cholesky factorisation exists), per matrix."""
+
     event_dim = 2
 
     def check(self, value):
-        sym = tf.reduce_all(tf.abs(value - tf.linalg.matrix_transpose(value)) < 1e-6, axis=[-2, -1])
-        return tf.logical_and(sym, tf.reduce_all(tf.linalg.eigvalsh(value) > 0, axis=-1))
+        value = tf.convert_to_tensor(value)
+        return tf.logical_and(_is_symmetric(value), tf.reduce_all(tf.linalg.eigvalsh(value) > 0, axis=-1))
+
+
+class _PositiveSemidefinite(Constraint):
+    """Symmetric with every eigenvalue >= 0, per matrix."""
+
+    event_dim = 2
+
+    def check(self, value):
+        value = tf.convert_to_tensor(value)
+        return tf.logical_and(_is_symmetric(value), tf.reduce_all(tf.linalg.eigvalsh(value) >= 0, axis=-1))
 
 
 dependent = _Dependent()
@@ -178,6 +207,7 @@ simplex = _Simplex()
 lower_triangular = _LowerTriangular()
 lower_cholesky = _LowerCholesky()
 positive_definite = _PositiveDefinite()
+positive_semidefinite = _PositiveSemidefinite()
 interval = _Interval
 half_open_interval = _HalfOpenInterval
 greater_than = _GreaterThan
@@ -199,7 +229,7 @@ class _Symmetric(_Square):
     def check(self, value):
         if value.shape[-2] != value.shape[-1]:
             return super().check(value)
-        return tf.reduce_all(tf.abs(value - tf.linalg.matrix_transpose(value)) < 1e-6, axis=[-2, -1])
+        return _is_symmetric(value)
 
 
 class _CorrCholesky(Constraint):
