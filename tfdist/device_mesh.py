@@ -222,13 +222,10 @@ class DeviceMesh:
             )
         n = _runtime.num_global_devices(tf_type)
         flat = ids.ravel().tolist()
-        subset_ok = True  # a stage's sub-mesh; across clients each client's devices form one block
-        if len(set(flat)) != len(flat) or not all(0 <= i < n for i in flat) or (
-            len(flat) != n and not subset_ok
-        ):
+        # any subset of the devices (a pipeline stage's sub-mesh), in one client or across clients
+        if len(set(flat)) != len(flat) or not all(0 <= i < n for i in flat):
             raise ValueError(
-                f"mesh must hold distinct {tf_type} device ids in 0..{n - 1}"
-                f"{'' if subset_ok else f', all {n} of them'}. Received: mesh={ids.tolist()!r}"
+                f"mesh must hold distinct {tf_type} device ids in 0..{n - 1}. Received: mesh={ids.tolist()!r}"
             )
         named = mesh_dim_names is not None
         names = (
