@@ -82,6 +82,27 @@ OP_CASES = [
     (lambda: distribute_tensor(np.zeros([1] * 10, np.float32), MESH1, [Shard(0)]), ValueError, "rank"),
 ]
 
+# kinds a new user meets (issue: messages): each names the argument and its received value
+USER_CASES = [
+    (lambda: MESH[0], TypeError, "received: 0"),
+    (lambda: MESH[("dp", 1)], TypeError, "mesh dim names"),
+    (lambda: tfdist.tensor.full((4, 4), "x", device_mesh=MESH, placements=[Shard(0), Replicate()]), TypeError,
+     "fill_value='x'"),
+    (lambda: D.Normal(loc="a", scale=1.0), TypeError, "loc='a'"),
+    (lambda: D.Normal("a", 1.0), TypeError, "loc='a'"),
+    (lambda: D.Bernoulli(probs={"p": 0.5}), TypeError, "probs="),
+    (lambda: D.Normal(np.zeros(3), np.ones(4)), ValueError, "loc of shape (3,), scale of shape (4,)"),
+    (lambda: D.Normal(np.zeros(3), np.ones(3)).log_prob(np.zeros(4)), ValueError, "value of shape (4,)"),
+    (lambda: D.Normal(np.zeros(3), np.ones(3)).cdf(np.zeros((2, 4))), ValueError, "value of shape (2, 4)"),
+    (lambda: D.kl_divergence(D.Normal(np.zeros(3), np.ones(3)), D.Normal(np.zeros(4), np.ones(4))), ValueError,
+     "q.batch_shape=(4,)"),
+    (lambda: D.kl_divergence(D.Normal(0.0, 1.0), "normal"), TypeError, "q of type str"),
+    (lambda: D.Normal(np.zeros(3), np.ones(3)).expand((4,)), ValueError, "batch_shape=(4,)"),
+    (lambda: D.Normal(np.zeros(3), np.ones(3)).expand("big"), (TypeError, ValueError), "batch_shape"),
+    (lambda: D.transforms.LowerCholeskyTransform()(np.zeros(3)), ValueError, "x of shape (3,)"),
+    (lambda: D.transforms.LowerCholeskyTransform().inv(np.zeros(3)), ValueError, "y of shape (3,)"),
+]
+
 # (family, kwargs) whose parameters violate the family's constraint
 DIST_CASES = [
     (D.Normal, dict(loc=0.0, scale=-1.0), "scale"),
@@ -188,6 +209,11 @@ _check = check_refused  # refused clearly, and the process stays usable
 @pytest.mark.parametrize("fn,exc,fragment", MESH_CASES + PLACEMENT_CASES + OP_CASES,
                          ids=[f"api-{i}" for i in range(len(MESH_CASES + PLACEMENT_CASES + OP_CASES))])
 def test_api_misuse_is_refused_naming_the_argument(fn, exc, fragment):
+    _check(fn, exc, fragment)
+
+
+@pytest.mark.parametrize("fn,exc,fragment", USER_CASES, ids=[f"user-{i}" for i in range(len(USER_CASES))])
+def test_what_new_users_pass_wrongly_is_refused_naming_the_argument(fn, exc, fragment):
     _check(fn, exc, fragment)
 
 

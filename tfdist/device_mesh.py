@@ -395,6 +395,13 @@ class DeviceMesh:
                 "this mesh has no mesh_dim_names, so it cannot be sliced by name; "
                 "create it with init_device_mesh(..., mesh_dim_names=(...))."
             )
+        if not isinstance(names, str) and not (
+            isinstance(names, (tuple, list)) and all(isinstance(n, str) for n in names)
+        ):
+            raise TypeError(
+                f"mesh[...] takes mesh dim names: a str or a tuple of str from {self.axis_names}. "
+                f"Received: {names!r}"
+            )
         wanted = (names,) if isinstance(names, str) else tuple(names)
         own = self.axis_names
         unknown = [n for n in wanted if n not in own]

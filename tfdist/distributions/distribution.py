@@ -9,6 +9,7 @@ event dims.  Methods a distribution does not define raise
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
 
 import numpy as np
@@ -63,6 +64,10 @@ def _public(fn):
         _depth.n = depth + 1
         try:
             result = fn(self, *[arg(a) for a in args], **{k: arg(v) for k, v in kwargs.items()})
+        except (tf.errors.InvalidArgumentError, ValueError) as e:
+            if depth == 0 and args and fn.__name__ in _VALUE_METHODS and _is_broadcast_error(e):
+                raise _value_shape_error(self, fn.__name__, args[0]) from None
+            raise
         finally:
             _depth.n = depth
         if depth == 0 and getattr(self, "_returns_dtensors", False) and isinstance(result, tf.Tensor) \
@@ -72,6 +77,86 @@ def _public(fn):
 
     call._speaks_dtensor = True
     return call
+
+
+_VALUE_METHODS = ("log_prob", "cdf", "icdf")
+
+
+def _is_broadcast_error(e: Exception) -> bool:
+    return "Incompatible shapes" in str(e) or "must match the size" in str(e)
+
+
+def _shape_of(v) -> tuple | None:
+    shape = getattr(v, "shape", None)
+    return tuple(shape) if shape is not None else (() if isinstance(v, (int, float)) else None)
+
+
+def _value_shape_error(dist, method: str, value) -> ValueError:
+    """torch's complaint, at the API boundary, for a value that does not broadcast with the distribution."""
+    return ValueError(
+        f"{type(dist).__name__}.{method}(value): value must broadcast with the distribution's batch shape "
+        f"{tuple(dist.batch_shape)} and event shape {tuple(dist.event_shape)}. Received: value of shape "
+        f"{_shape_of(value)}"
+    )
+
+
+def _is_numeric(v) -> bool:
+    """A parameter value torch accepts: a number, a tensor (TF, numpy, tfdist) or a nested list of numbers."""
+    if v is None or isinstance(v, (bool, int, float, np.number, np.ndarray, tf.Tensor, tf.Variable, DTensor)):
+        return True
+    if isinstance(v, (list, tuple)):
+        return all(_is_numeric(x) for x in v)
+    return hasattr(v, "shape") and hasattr(v, "dtype")  # other array types (a Keras variable, ...)
+
+
+def _named_arguments(cls, init, args, kwargs) -> dict:
+    """The constructor's arguments by name (a factory-made family takes ``*args``: its ``_params`` name them)."""
+    try:
+        bound = inspect.signature(init).bind(None, *args, **kwargs).arguments
+    except TypeError:
+        return {}  # a wrong number of arguments: the constructor's own message
+    params = {k: p.kind for k, p in inspect.signature(init).parameters.items()}
+    named = {}
+    for name, value in bound.items():
+        if params[name] == inspect.Parameter.VAR_KEYWORD:
+            named.update(value)
+        elif params[name] == inspect.Parameter.VAR_POSITIONAL:
+            names = getattr(cls, "_params", ())
+            named.update(zip(names if isinstance(names, tuple) else (), value))
+        else:
+            named[name] = value
+    return named
+
+
+def _check_parameter_types(cls, init, args, kwargs) -> None:
+    """A parameter of the wrong type is refused naming it (torch: 'must all be instances of numbers.Number
+    or torch.Tensor'), before TF's conversion error."""
+    for name, value in _named_arguments(cls, init, args, kwargs).items():
+        if name in cls.arg_constraints and not _is_numeric(value):
+            raise TypeError(f"{cls.__name__}: {name} must be a number or a tensor. Received: {name}={value!r} "
+                            f"(type {type(value).__name__})")
+
+
+def _checked_expand(expand):
+    """``expand(batch_shape)`` refuses, naming it, a shape the batch shape cannot expand to (torch's rule:
+    each existing dim, aligned right, equals the new one or is 1)."""
+
+    @functools.wraps(expand)
+    def checked(self, batch_shape, _instance=None):
+        try:
+            new = tuple(as_shape(batch_shape))
+        except (TypeError, ValueError):
+            raise TypeError(f"{type(self).__name__}.expand: batch_shape must be a sequence of ints. "
+                            f"Received: batch_shape={batch_shape!r}") from None
+        old = tuple(self.batch_shape)
+        if len(new) < len(old) or any(o not in (1, n) for o, n in zip(old[::-1], new[::-1])):
+            raise ValueError(f"{type(self).__name__}.expand: batch_shape must be one the batch shape {old} "
+                             f"expands to (each of its dims, from the right, equal or 1). Received: "
+                             f"batch_shape={new}")
+        return expand(self, batch_shape, _instance)
+
+    checked._checks_shape = True
+    return checked
 
 
 def _marking(init):
@@ -84,7 +169,17 @@ def _marking(init):
     def __init__(self, *args, **kwargs):
         if any(isinstance(v, DTensor) for v in (*args, *kwargs.values())):
             self._returns_dtensors = True
-        init(self, *args, **kwargs)
+        _check_parameter_types(type(self), init, args, kwargs)
+        try:
+            init(self, *args, **kwargs)
+        except (ValueError, tf.errors.InvalidArgumentError) as e:
+            if not _is_broadcast_error(e):
+                raise
+            named = _named_arguments(type(self), init, args, kwargs)
+            shapes = {k: _shape_of(v) for k, v in named.items() if k in type(self).arg_constraints}
+            given = ", ".join(f"{k} of shape {v}" for k, v in shapes.items()) or f"shapes {[_shape_of(a) for a in args]}"
+            raise ValueError(f"{type(self).__name__}: the parameters must broadcast to one batch shape. "
+                             f"Received: {given}") from None
         if getattr(self, "_dtensor_anchor", None) is None and tf.executing_eagerly():
             for v in list(vars(self).values()):
                 if isinstance(v, tf.Tensor) and dtensor.is_dtensor(v):
@@ -127,6 +222,8 @@ class Distribution:
                 setattr(cls, name, property(_public(prop.fget), doc=prop.__doc__))
         if "__init__" in cls.__dict__:
             cls.__init__ = _marking(cls.__dict__["__init__"])
+        if "expand" in cls.__dict__ and not getattr(cls.__dict__["expand"], "_checks_shape", False):
+            cls.expand = _checked_expand(cls.__dict__["expand"])
 
     has_rsample = False
     has_enumerate_support = False

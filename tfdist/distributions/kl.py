@@ -109,6 +109,15 @@ def kl_divergence(p: Distribution, q: Distribution) -> tf.Tensor:
     Raises:
         NotImplementedError: no function is registered for the pair.
     """
+    for name, d in (("p", p), ("q", q)):
+        if not isinstance(d, Distribution):
+            raise TypeError(f"kl_divergence: {name} must be a tfdist.distributions.Distribution. Received: "
+                            f"{name} of type {type(d).__name__}")
+    try:
+        tf.broadcast_static_shape(tf.TensorShape(p.batch_shape), tf.TensorShape(q.batch_shape))
+    except ValueError:
+        raise ValueError(f"kl_divergence: p and q must have batch shapes that broadcast together. Received: "
+                         f"p.batch_shape={tuple(p.batch_shape)}, q.batch_shape={tuple(q.batch_shape)}") from None
     key = (type(p), type(q))
     if key not in _KL_MEMOIZE:
         _KL_MEMOIZE[key] = _dispatch_kl(*key)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+import numpy as np
 import tensorflow as tf
 
 from tfdist.distributions import constraints
@@ -23,6 +24,19 @@ __all__ = [
     "CumulativeDistributionTransform", "identity_transform",
 ]
 
+
+
+def _check_rank(transform, value, event_dim: int, name: str) -> None:
+    """A value with fewer dims than the transform's event reads wrongly in TF's kernels: refused naming it."""
+    shape = getattr(value, "shape", None)
+    if isinstance(shape, tf.TensorShape):
+        rank = shape.rank  # None: unknown while tracing
+    else:
+        rank = len(shape) if shape is not None else np.ndim(value)
+    if rank is not None and rank < event_dim:
+        shown = tuple(shape) if shape is not None else np.shape(value)
+        raise ValueError(f"{type(transform).__name__}: {name} must have at least {event_dim} dims (its event "
+                         f"dims). Received: {name} of shape {shown}")
 
 
 class Transform:
@@ -59,6 +73,7 @@ class Transform:
         raise NotImplementedError(f"{type(self).__name__}.with_cache is not implemented")
 
     def __call__(self, x):
+        _check_rank(self, x, self.domain.event_dim, "x")
         if self._cache_size == 0:
             return self._call(x)
         x_old, y_old = self._cached_x_y
@@ -69,6 +84,7 @@ class Transform:
         return y
 
     def _inv_call(self, y):
+        _check_rank(self, y, self.codomain.event_dim, "y")
         if self._cache_size == 0:
             return self._inverse(y)
         x_old, y_old = self._cached_x_y

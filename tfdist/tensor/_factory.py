@@ -88,6 +88,8 @@ def full(
     requires_grad: bool = False,
 ) -> DTensor:
     """A DTensor of global shape ``size`` filled with ``fill_value``."""
+    if isinstance(fill_value, (str, bytes)) or not (np.isscalar(fill_value) or np.ndim(fill_value) == 0):
+        raise TypeError(f"full: fill_value must be a number (a scalar). Received: fill_value={fill_value!r}")
 
     def make(shape, dtype):
         return tf.fill(shape, tf.cast(fill_value, dtype))
