@@ -7,7 +7,13 @@ loss tracker: ``total = total + sum(loss)`` over 4 steps kept only the last step
 (18.2 instead of ~100), while ``count`` (a constant increment) was right.  Each step on its
 own is correct, and so are the same two calls made one after the other from Python.
 
-    python stale_read_across_calls.py
+The cause is TF DTensor's all-reduce combine pass (dtensor_allreduce_combine_optimization.cc): it moves
+independent all-reduces next to the last of their group (``moveBefore``) judging independence by data
+edges only, so a reduction moves past the variable write a later read depends on.  With the pass off
+(``DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION=0``, which tfdist sets at import) both calls are right.
+
+    python stale_read_across_calls.py                                              # reproduces
+    DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION=0 python stale_read_across_calls.py   # right
 Exit status 1 when the bug reproduces.
 """
 
