@@ -111,11 +111,12 @@ def _is_numeric(v) -> bool:
 
 def _named_arguments(cls, init, args, kwargs) -> dict:
     """The constructor's arguments by name (a factory-made family takes ``*args``: its ``_params`` name them)."""
+    signature = inspect.signature(init)
     try:
-        bound = inspect.signature(init).bind(None, *args, **kwargs).arguments
+        bound = signature.bind(None, *args, **kwargs).arguments
     except TypeError:
         return {}  # a wrong number of arguments: the constructor's own message
-    params = {k: p.kind for k, p in inspect.signature(init).parameters.items()}
+    params = {k: p.kind for k, p in signature.parameters.items()}
     named = {}
     for name, value in bound.items():
         if params[name] == inspect.Parameter.VAR_KEYWORD:
