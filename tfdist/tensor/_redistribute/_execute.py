@@ -16,7 +16,7 @@ from tensorflow.experimental import dtensor
 
 from tfdist.tensor._layout import DTensorSpec
 from tfdist.tensor._redistribute._byte_gather import all_gather
-from tfdist.tensor._redistribute._moves import REDUCERS, move_mesh_dim, reduce_scatter_move
+from tfdist.tensor._redistribute._moves import move_mesh_dim, reduce_partial, reduce_scatter_move
 from tfdist.tensor._redistribute._plan import check_transition, plan
 from tfdist.tensor._redistribute._steps import (
     Gather, GatherPieces, Merge, Move, Op, Plan, Reduce, Relayout, Resize, Split,
@@ -75,7 +75,7 @@ def _(op: Gather, x, mesh):
 
 @_apply.register
 def _(op: Reduce, x, mesh):
-    return REDUCERS[op.op](x, axis=list(op.axes))
+    return reduce_partial(x, op.op, list(op.axes))
 
 
 @_apply.register

@@ -15,8 +15,9 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfdist.tensor import _comm_events
+from tfdist.tensor._redistribute._byte_gather import all_gather
 
-__all__ = ["REDUCERS", "move_mesh_dim", "as_reduce_scatter", "reduce_scatter_move", "relayout", "relayout_traced"]
+__all__ = ["REDUCERS", "reduce_partial", "move_mesh_dim", "as_reduce_scatter", "reduce_scatter_move", "relayout", "relayout_traced"]
 
 REDUCERS = {
     "sum": tf.math.reduce_sum,
@@ -25,6 +26,24 @@ REDUCERS = {
     "max": tf.math.reduce_max,
     "min": tf.math.reduce_min,
 }
+
+
+def reduce_partial(x: tf.Tensor, op: str, axes: list[int]) -> tf.Tensor:
+    """Reduces the stacked Partial ``axes`` of ``x`` with ``op``, as torch's all-reduce does.
+
+    A bool Partial reduces as torch's (gloo, NCCL) does: ``sum``/``max`` are a logical or,
+    ``product``/``min`` a logical and, and ``avg`` is refused (torch: "result type Float can't be
+    cast to the desired output type Bool").  TF DTensor expands no reduction of bools across
+    devices, so the bools travel as float16 (max/min; 2 bytes, TF has no 1-byte all-reduce).
+    """
+    if x.dtype != tf.bool:
+        return REDUCERS[op](x, axis=axes)
+    if op == "avg":
+        raise TypeError("a Partial('avg') DTensor of dtype bool cannot be reduced (the mean of bools is "
+                        "not a bool, as in torch); use Partial('sum') (logical or) or Partial('min') "
+                        "(logical and), or cast to a number first.")
+    reducer = tf.math.reduce_max if op in ("sum", "max") else tf.math.reduce_min
+    return tf.cast(reducer(tf.cast(x, tf.float16), axis=axes), tf.bool)
 
 
 def move_mesh_dim(x: tf.Tensor, specs: list[str], b: int, c: int, mesh: dtensor.Mesh) -> tuple[tf.Tensor, list[str]]:
@@ -36,6 +55,8 @@ def move_mesh_dim(x: tf.Tensor, specs: list[str], b: int, c: int, mesh: dtensor.
     moves to or from dim 0 are right.  So such a tensor is transposed (a local
     op) to put ``b`` and ``c`` first, moved, and transposed back.
     """
+    if x.dtype not in _MOVES_NATIVELY:
+        return _move_carried(x, specs, b, c, mesh)
     new = list(specs)
     new[c], new[b] = specs[b], dtensor.UNSHARDED
     if 0 not in (b, c) and len(specs) >= 4:
@@ -45,6 +66,36 @@ def move_mesh_dim(x: tf.Tensor, specs: list[str], b: int, c: int, mesh: dtensor.
         yt = dtensor.relayout(xt, dtensor.Layout([new[d] for d in perm], mesh))
         x = tf.transpose(yt, inverse)
     return dtensor.relayout(x, dtensor.Layout(new, mesh)), new
+
+
+# TF lowers CollectiveAllToAllV2 for floats and 32/64-bit signed integers only ("operand #0 must be
+# tensor of floating-point or 32/64-bit signed integer values", tensorflow/dtensor/mlir/collectives.cc)
+_MOVES_NATIVELY = frozenset({tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64})
+_SAME_SIZE_CARRIER = {tf.int16: tf.float16, tf.uint16: tf.float16, tf.uint32: tf.int32, tf.uint64: tf.int64,
+                      tf.complex64: tf.int64}
+
+
+def _move_carried(x: tf.Tensor, specs: list[str], b: int, c: int, mesh: dtensor.Mesh) -> tuple[tf.Tensor, list[str]]:
+    """``move_mesh_dim`` for a dtype TF's all-to-all does not carry: the same bits as a type it
+    does (16/32/64-bit integers, complex64), complex128 by an all-gather and a local slice (k times
+    an all-to-all's bytes), and 1-byte types (bool, int8, uint8) as float16, which holds each of their values exactly
+    (twice the bytes: TF has no 1-byte all-to-all, and pairing bytes would need an even last dim)."""
+    if x.dtype in _SAME_SIZE_CARRIER:
+        moved, new = move_mesh_dim(tf.bitcast(x, _SAME_SIZE_CARRIER[x.dtype]), specs, b, c, mesh)
+        return tf.bitcast(moved, x.dtype), new
+    if x.dtype == tf.complex128:
+        # no 16-byte type to carry it, and a rank-changing bitcast fails TF DTensor's SPMD expansion
+        # ("op output inconsistent with the provided layout"): gather dim b, then keep c's slice
+        whole = list(specs)
+        whole[b] = dtensor.UNSHARDED
+        new = list(whole)
+        new[c] = specs[b]
+        return dtensor.relayout(all_gather(x, list(specs), whole, mesh), dtensor.Layout(new, mesh)), new
+    if x.dtype in (tf.bool, tf.int8, tf.uint8):
+        moved, new = move_mesh_dim(tf.cast(x, tf.float16), specs, b, c, mesh)
+        return tf.cast(moved, x.dtype), new
+    raise TypeError(f"a DTensor of dtype {x.dtype.name} cannot change which tensor dim a mesh dim shards: "
+                    "TF DTensor's all-to-all carries numbers only.")
 
 
 @contextlib.contextmanager
