@@ -166,6 +166,19 @@ def test_random_factories_same_values_on_any_mesh(factory):
         assert a.min() >= 0.0 and a.max() < 1.0
 
 
+@pytest.mark.parametrize("factory", ["zeros", "ones", "empty", "full", "rand", "randn"])
+def test_factories_take_torchs_layout_argument(mesh_2d, factory):
+    """torch's factories take ``layout=torch.strided`` (the default); TF DTensor shards dense tensors only,
+    so a sparse layout is refused naming the argument."""
+    make = {"zeros": zeros, "ones": ones, "empty": empty, "rand": rand, "randn": randn,
+            "full": lambda *s, **kw: full(s, 2.0, **kw)}[factory]
+    for layout in (None, "strided", "torch.strided"):
+        d = make(4, 2, layout=layout, device_mesh=mesh_2d, placements=[Shard(0), Replicate()])
+        assert tuple(d.shape) == (4, 2) and d.placements == (Shard(0), Replicate())
+    with pytest.raises(ValueError, match=rf"{factory}: layout must be None or 'strided'.*layout='sparse_coo'"):
+        make(4, 2, layout="sparse_coo", device_mesh=mesh_2d)
+
+
 def test_with_mesh_is_the_default(mesh_2d):
     with mesh_2d:
         d = distribute_tensor(np.ones((2, 4), np.float32), placements=[Replicate(), Shard(1)])

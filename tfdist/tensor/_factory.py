@@ -9,7 +9,7 @@ sharded random ops do not).
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -36,6 +36,15 @@ def _size(size: tuple, caller: str) -> tuple[int, ...]:
     return tuple(size)
 
 
+def _check_layout(layout: Any, caller: str) -> None:
+    """torch's ``layout=`` argument: only torch's default, ``torch.strided``, has a TF meaning (a dense
+    tensor); TF DTensor lays out no sparse or mkldnn tensors."""
+    if layout is None or str(layout) in ("strided", "torch.strided"):
+        return
+    raise ValueError(f"{caller}: layout must be None or 'strided' (torch.strided, the dense default): TF DTensor "
+                     f"shards dense tensors only. Received: layout={layout!r}")
+
+
 def _make(caller: str, make, size: tuple, dtype, device_mesh, placements) -> DTensor:
     """Builds a constant value with ``make(shape, dtype)``, each device only its shard."""
     shape = _size(size, caller)
@@ -54,8 +63,9 @@ def _make(caller: str, make, size: tuple, dtype, device_mesh, placements) -> DTe
 
 
 def zeros(
-    *size: int, dtype: tf.DType | None = None, device_mesh: DeviceMesh | None = None,
-    placements: Sequence[Placement] | None = None, requires_grad: bool = False,
+    *size: int, dtype: tf.DType | None = None, layout: Any = None,
+    device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None,
+    requires_grad: bool = False,
 ) -> DTensor:
     """A DTensor of zeros of global shape ``size``.
 
@@ -63,31 +73,37 @@ def zeros(
         >>> zeros(8, 4, device_mesh=mesh, placements=[Shard(0)]).placements
         (Shard(dim=0),)
     """
+    _check_layout(layout, "zeros")
     return _make("zeros", tf.zeros, size, dtype, device_mesh, placements)
 
 
 def ones(
-    *size: int, dtype: tf.DType | None = None, device_mesh: DeviceMesh | None = None,
-    placements: Sequence[Placement] | None = None, requires_grad: bool = False,
+    *size: int, dtype: tf.DType | None = None, layout: Any = None,
+    device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None,
+    requires_grad: bool = False,
 ) -> DTensor:
     """A DTensor of ones of global shape ``size``."""
+    _check_layout(layout, "ones")
     return _make("ones", tf.ones, size, dtype, device_mesh, placements)
 
 
 def empty(
-    *size: int, dtype: tf.DType | None = None, device_mesh: DeviceMesh | None = None,
-    placements: Sequence[Placement] | None = None, requires_grad: bool = False,
+    *size: int, dtype: tf.DType | None = None, layout: Any = None,
+    device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None,
+    requires_grad: bool = False,
 ) -> DTensor:
     """A DTensor of global shape ``size`` (TF has no uninitialised memory: zeros)."""
+    _check_layout(layout, "empty")
     return _make("empty", tf.zeros, size, dtype, device_mesh, placements)
 
 
 def full(
-    size: Sequence[int], fill_value: float, *, dtype: tf.DType | None = None,
+    size: Sequence[int], fill_value: float, *, dtype: tf.DType | None = None, layout: Any = None,
     device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None,
     requires_grad: bool = False,
 ) -> DTensor:
     """A DTensor of global shape ``size`` filled with ``fill_value``."""
+    _check_layout(layout, "full")
     if isinstance(fill_value, (str, bytes)) or not (np.isscalar(fill_value) or np.ndim(fill_value) == 0):
         raise TypeError(f"full: fill_value must be a number (a scalar). Received: fill_value={fill_value!r}")
 
@@ -147,20 +163,24 @@ def _random(caller: str, draw, size, dtype, device_mesh, placements) -> DTensor:
 
 
 def rand(
-    *size: int, dtype: tf.DType | None = None, device_mesh: DeviceMesh | None = None,
-    placements: Sequence[Placement] | None = None, requires_grad: bool = False,
+    *size: int, dtype: tf.DType | None = None, layout: Any = None,
+    device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None,
+    requires_grad: bool = False,
 ) -> DTensor:
     """Uniform [0, 1) values of global shape ``size``.
 
     The same seed gives the same global values on any mesh and placements;
     each device computes only its own shard (see ``_random``).
     """
+    _check_layout(layout, "rand")
     return _random("rand", _random_lib.uniform, size, dtype, device_mesh, placements)
 
 
 def randn(
-    *size: int, dtype: tf.DType | None = None, device_mesh: DeviceMesh | None = None,
-    placements: Sequence[Placement] | None = None, requires_grad: bool = False,
+    *size: int, dtype: tf.DType | None = None, layout: Any = None,
+    device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None,
+    requires_grad: bool = False,
 ) -> DTensor:
     """Standard normal values of global shape ``size`` (sharding-invariant, computed per shard)."""
+    _check_layout(layout, "randn")
     return _random("randn", _random_lib.normal, size, dtype, device_mesh, placements)
