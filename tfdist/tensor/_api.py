@@ -218,8 +218,9 @@ class DTensor(tf.experimental.ExtensionType):
         run_check: bool = False,
         shape: Sequence[int] | None = None,
         stride: Sequence[int] | None = None,
+        grad_placements: Sequence[Placement] | None = None,
     ) -> DTensor:
-        """Builds a DTensor from this client's local shards (eager).
+        """Builds a DTensor from this client's local shards (eager, differentiable).
 
         Args:
             local_tensor: one tensor that every local device contributes (as
@@ -232,6 +233,12 @@ class DTensor(tf.experimental.ExtensionType):
                 sharded dim is ``local size * mesh dim size``.
             stride: accepted for torch compatibility; must be ``None`` or the
                 row-major strides of ``shape`` (TF tensors have no strides).
+            grad_placements: as torch's: the placements the gradient (a DTensor
+                with ``placements``) is redistributed to before each device's local
+                gradient is taken; they must give every device a local gradient of
+                its local tensor's shape.  By default the gradient is the exact one
+                (a single ``local_tensor`` used by every device gets the sum over the
+                devices holding different parts, once per replicated copy).
 
         Example:
             >>> mesh = init_device_mesh("cpu", (8,))
@@ -260,31 +267,51 @@ class DTensor(tf.experimental.ExtensionType):
             blocks.append(_to_physical_block(t, spec))
         if run_check:
             _check_replicas(blocks, coords, spec)
-        return DTensor._wrap(dtensor.pack(blocks, spec.tf_layout), spec)
+        grad_spec = spec if grad_placements is None else DTensorSpec(
+            mesh, normalize_placements(grad_placements, mesh, ndim), global_shape)
+        copies = _replica_counts(spec, coords) if _is_one_tensor(local_tensor) else [1] * len(blocks)
+        return DTensor._wrap(_pack(blocks, spec, grad_spec, copies), spec)
 
-    def local_tensors(self) -> list[tf.Tensor]:
-        """This client's shards, one per local device in mesh order (eager)."""
+    def local_tensors(self, *, grad_placements: Sequence[Placement] | None = None) -> list[tf.Tensor]:
+        """This client's shards, one per local device in mesh order (eager, differentiable).
+
+        The gradient of the DTensor is built from the local shards' gradients
+        read with ``grad_placements`` (see :meth:`to_local`).
+        """
         _require_eager("DTensor.local_tensors")
         spec = self._spec
         shape = _local_block_shape(spec)
+        wants = [spec.local_shape_and_offset(coord)[0] for coord in _root_coordinates(spec.mesh)]
         out = []
-        for block, coord in zip(dtensor.unpack(self._physical), _root_coordinates(spec.mesh)):
-            want, _ = spec.local_shape_and_offset(coord)
+        for block, want in zip(_unpack(self._physical, spec, wants, grad_placements), wants):
             block = tf.reshape(block, shape)  # drops the Partial and multi-mesh-dim axes (size 1 here)
             out.append(tf.slice(block, [0] * len(want), want))
         return out
 
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> tf.Tensor:
-        """The shard of this client's first local device (eager).
+        """The shard of this client's first local device (eager, differentiable).
 
         torch gives each rank one device, so its ``to_local()`` is that
         device's shard.  A tfdist client may own several devices (8 virtual
         CPUs in one process); ``to_local()`` is then the shard of the first
         one in mesh order, and :meth:`local_tensors` returns all of them.
-        ``grad_placements`` is accepted for torch compatibility.
+
+        Args:
+            grad_placements: as torch's, how the local gradients combine into the
+                DTensor's gradient: ``Shard`` -- they are its shards; ``Partial``
+                -- they are summed (or reduced by its op); ``Replicate`` -- they are
+                copies of one value (trusted, as torch does).  By default the
+                DTensor's own placements, except that a ``Replicate`` mesh dim sums
+                its copies' gradients: the exact gradient when only some copies
+                were used (``to_local()`` uses the first device's).
+
+        Example:
+            >>> x = distribute_tensor(tf.ones((8, 2)), mesh, [Shard(0)])
+            >>> with tf.GradientTape() as tape:
+            ...     tape.watch(x._physical); loss = tf.reduce_sum(x.to_local() ** 2)
+            >>> g = DTensor._wrap(tape.gradient(loss, x._physical), x._spec)  # 2 on the first shard, 0 elsewhere
         """
-        del grad_placements
-        return self.local_tensors()[0]
+        return self.local_tensors(grad_placements=grad_placements)[0]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
         """Size and offset of each local device's shard, in mesh order."""
@@ -465,6 +492,70 @@ def _to_physical_block(t: tf.Tensor, spec: DTensorSpec) -> tf.Tensor:
     for d, b in enumerate(block):
         shape += [1] * (spec.physical_dims(d) - 1) + [b]
     return tf.reshape(t, shape) if shape != t.shape.as_list() else t
+
+
+def _is_one_tensor(local_tensor) -> bool:
+    """from_local's single-tensor form (every local device contributes it), as ``_as_local_list`` reads it."""
+    return not (isinstance(local_tensor, (list, tuple)) and local_tensor and not np.isscalar(local_tensor[0])
+                and not isinstance(local_tensor[0], (list, tuple)))
+
+
+def _replica_counts(spec: DTensorSpec, coords) -> list[int]:
+    """Per local device, how many local devices hold the same part (they differ on Replicate mesh dims
+    only): one tensor they all contribute is one value there, so each copy owns that share of its gradient."""
+    varying = [m for m, p in enumerate(spec.root_placements) if not p.is_replicate()]
+    keys = [tuple(c[m] for m in varying) for c in coords]
+    return [keys.count(k) for k in keys]
+
+
+def _pack(blocks: list[tf.Tensor], spec: DTensorSpec, grad_spec: DTensorSpec, copies: list[int]) -> tf.Tensor:
+    """``dtensor.pack`` with torch's from_local backward: the gradient, redistributed to ``grad_spec``,
+    gives each block its device's part (divided among the copies of one shared tensor)."""
+
+    @tf.custom_gradient
+    def pack(*blocks):
+        def grad(dphys):
+            g = DTensor._wrap(dtensor.relayout(dphys, spec.tf_layout), spec)
+            if grad_spec.placements != spec.placements:
+                g = g.redistribute(grad_spec.mesh, grad_spec.placements)
+            parts = dtensor.unpack(g._physical)
+            for i, (block, part) in enumerate(zip(blocks, parts)):
+                if part.shape != block.shape:
+                    raise ValueError(
+                        f"from_local: grad_placements={list(grad_spec.placements)} give local device {i} a gradient "
+                        f"block of shape {part.shape.as_list()}, but its local tensor's block has shape "
+                        f"{block.shape.as_list()} (placements {list(spec.placements)}); choose grad_placements "
+                        "that keep each device's local shape.")
+            return [part / c if c != 1 else part for part, c in zip(parts, copies)]
+
+        return dtensor.pack(list(blocks), spec.tf_layout), grad
+
+    return pack(*blocks)
+
+
+def _unpack(physical: tf.Tensor, spec: DTensorSpec, wants, grad_placements) -> list[tf.Tensor]:
+    """``dtensor.unpack`` whose backward reads the local gradients with ``grad_placements`` (default: the
+    DTensor's placements, Replicate mesh dims summing their copies) and redistributes the result back."""
+    mesh = spec.mesh
+    if grad_placements is None:
+        read = tuple(Partial() if p.is_replicate() else p for p in spec.placements)
+    else:
+        read = normalize_placements(grad_placements, mesh, len(spec.shape))
+
+    @tf.custom_gradient
+    def unpack(x):
+        parts = dtensor.unpack(x)
+
+        def grad(*dparts):
+            shape = _local_block_shape(spec)
+            locals_ = [tf.slice(tf.reshape(tf.zeros_like(p) if d is None else d, shape), [0] * len(w), w)
+                       for p, d, w in zip(parts, dparts, wants)]
+            g = DTensor.from_local(locals_, mesh, read, shape=spec.shape)
+            return g.redistribute(mesh, spec.placements)._physical if read != spec.placements else g._physical
+
+        return parts, grad
+
+    return unpack(physical)
 
 
 def _check_replicas(blocks, coords, spec: DTensorSpec) -> None:
