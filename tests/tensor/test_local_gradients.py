@@ -95,3 +95,18 @@ def test_to_local_of_a_partial_sums_the_local_gradients_of_every_device_it_reads
     parts = grad.local_tensors()
     np.testing.assert_allclose(parts[0].numpy(), np.full((2, 4), 3.0))   # device 0 (a = 0, b = 0)
     np.testing.assert_allclose(parts[4].numpy(), np.zeros((2, 4)))       # device 4 (a = 1, b = 0)
+
+
+def test_full_tensor_grad_placements_is_replicate_or_refused():
+    """The gradient of full_tensor()'s result is one global value: Replicate (torch's default) works and
+    gives the gradient to each shard; per-rank readings (Partial, Shard) are refused naming the argument."""
+    g0 = np.arange(16.0).reshape(4, 4)
+    d = distribute_tensor(tf.constant(g0), MESH, [Shard(0), Replicate()])
+    # the loss stays a DTensor: an eager tape seeds a raw TF DTensor loss with a host tensor (TF's bug,
+    # worked around by tfdist.keras only)
+    full = lambda t: DTensor.from_tf(t.full_tensor(grad_placements=[Replicate(), Replicate()]))  # noqa: E731
+    got = _gradient(d, lambda t: tf.reduce_sum(full(t) ** 2))
+    np.testing.assert_allclose(got, 2 * g0)
+    for bad in ([Partial(), Replicate()], [Shard(1), Replicate()]):
+        with pytest.raises(ValueError, match=r"full_tensor: grad_placements must be None or all Replicate\(\)"):
+            d.full_tensor(grad_placements=bad)

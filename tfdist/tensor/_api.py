@@ -329,8 +329,20 @@ class DTensor(tf.experimental.ExtensionType):
         Returns a TF DTensor with a fully replicated layout (a ``tf.Tensor``;
         ``.numpy()`` works in eager).  Costs an all-gather per Shard mesh dim
         and an all-reduce per Partial mesh dim.  Differentiable.
+
+        ``grad_placements`` may be ``None`` or all ``Replicate()``: the gradient
+        of the result is one value that TF computes for the global program (the
+        same on every device), which is torch's ``Replicate`` reading; torch's
+        ``Partial``/``Shard`` readings describe per-rank gradients that differ,
+        which a TF program does not produce, so they are refused.
         """
-        del grad_placements
+        if grad_placements is not None:
+            given = normalize_placements(grad_placements, self.device_mesh, self.ndim)
+            if not all(p.is_replicate() for p in given):
+                raise ValueError(
+                    "full_tensor: grad_placements must be None or all Replicate(): the gradient of the full tensor "
+                    "is one global value, the same on every device (TF differentiates the global program), not "
+                    f"per-rank partial or sharded gradients. Received: grad_placements={list(grad_placements)}")
         if len(self.device_mesh.local_device_ids()) == 0:  # a list; autograph mis-handles `not list`
             raise ValueError(
                 "full_tensor() needs this client to own a device of the DTensor's "
