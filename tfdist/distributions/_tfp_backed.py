@@ -15,7 +15,7 @@ from tfdist.tensor._factory import _random_seed
 from tfdist.tensor._layout import DTensorSpec, placements_from_tf_layout
 from tfdist.tensor.placement_types import Shard
 
-__all__ = ["_TFPBacked", "tfd"]
+__all__ = ["_TFPBacked", "integer_quantile", "tfd"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -23,6 +23,37 @@ def tfd():
     import tensorflow_probability as tfp
 
     return tfp.distributions
+
+
+def _on_integers(support) -> bool:
+    from tfdist.distributions import constraints
+
+    return isinstance(support, (constraints._IntegerGreaterThan, constraints._IntegerInterval,
+                                constraints._Boolean)) or support is constraints.nonnegative_integer
+
+
+def integer_quantile(cdf, u: tf.Tensor, max_steps: int = 64) -> tf.Tensor:
+    """The smallest integer ``k >= 0`` with ``cdf(k) >= u``, elementwise, as ``u``'s dtype.
+
+    An upper bound is found by doubling from 1, then the gap is halved: at most ``max_steps`` cdf
+    evaluations each (2**63 > any count), elementwise ops only, so a sharded ``u`` stays sharded.
+    """
+    one = tf.ones_like(u)
+
+    def short(hi):
+        return tf.logical_and(tf.cast(cdf(hi), u.dtype) < u, hi < 2.0 ** (max_steps - 1))
+
+    hi = tf.while_loop(lambda hi: tf.reduce_any(short(hi)), lambda hi: [tf.where(short(hi), 2 * hi, hi)],
+                       [one], maximum_iterations=max_steps)[0]
+
+    def halve(lo, hi):
+        mid = tf.floor((lo + hi) / 2)
+        ok = tf.cast(cdf(mid), u.dtype) >= u
+        return [tf.where(ok, lo, mid), tf.where(ok, mid, hi)]
+
+    lo, hi = tf.while_loop(lambda lo, hi: tf.reduce_any(hi - lo > 1), halve, [-one, hi],
+                           maximum_iterations=max_steps)
+    return hi
 
 
 class _TFPBacked(Distribution):
@@ -60,28 +91,41 @@ class _TFPBacked(Distribution):
         return None
 
     def _sample_sharded(self, sample_shape, layout):
-        """Samples that stay sharded like the parameters: icdf of per-shard uniforms.
+        """Samples that stay sharded like the parameters: per-shard uniforms through the inverse CDF.
 
         TF DTensor has no layout rule for random ops, so tfdist draws the
         uniforms with its sharding-invariant per-shard generator
-        (tfdist.tensor._random) and maps them through the inverse CDF.
+        (tfdist.tensor._random) and maps them with :meth:`_from_uniform`.
         """
         sample_shape = as_shape(sample_shape)
         shape = sample_shape.concatenate(self.batch_shape).concatenate(self.event_shape)
-        lead = len(sample_shape) + len(self.batch_shape) - len(layout.sharding_specs)
-        placements = tuple(
-            Shard(p.dim + lead) if isinstance(p, Shard) else p for p in placements_from_tf_layout(layout)
-        )
+        placements = self._draw_placements(placements_from_tf_layout(layout), len(sample_shape))
         spec = DTensorSpec(DeviceMesh.from_tf(layout.mesh), placements, tuple(shape.as_list()))
         bits = _random.uniform_bits(spec, _random_seed())
-        u = _random._unit(bits, self._dtype, open_low=True)
+        return self._from_uniform(_random._unit(bits, self._dtype, open_low=True))
+
+    def _draw_placements(self, param_placements, sample_ndim: int) -> tuple:
+        """The draw's placements (sample + batch + event dims) from a parameter's, whose dims are the
+        draw's last ones (batch + event, as they broadcast)."""
+        lead = sample_ndim + len(self.batch_shape) + len(self.event_shape) - self._param_rank
+        return tuple(Shard(p.dim + lead) if isinstance(p, Shard) else p for p in param_placements)
+
+    @property
+    def _param_rank(self) -> int:
+        return getattr(self, self._params[0]).shape.rank
+
+    def _from_uniform(self, u: tf.Tensor) -> tf.Tensor:
+        """One draw per element of ``u`` (uniform in (0, 1)): the inverse CDF, or for a family on the
+        integers whose TFP class has none, the smallest k with cdf(k) >= u (:func:`integer_quantile`)."""
         try:
             return self.icdf(u)
         except NotImplementedError as err:
-            raise NotImplementedError(
-                f"sampling {type(self).__name__} with DTensor parameters needs its icdf, which TFP "
-                "does not provide; TF DTensor has no layout rule for random ops."
-            ) from err
+            if not _on_integers(self.support):
+                raise NotImplementedError(
+                    f"sampling {type(self).__name__} with DTensor parameters needs its icdf, which TFP "
+                    "does not provide; TF DTensor has no layout rule for random ops."
+                ) from err
+        return integer_quantile(lambda k: self._tfp().cdf(tf.cast(k, self._dtype)), u)  # k: candidates, unchecked
 
     def log_prob(self, value):
         self._validate_sample(value)

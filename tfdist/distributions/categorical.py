@@ -7,6 +7,7 @@ import tensorflow as tf
 from tfdist.distributions import constraints
 from tfdist.distributions._parameterised import _ParamShape, _ProbsLogits, clamp_probs
 from tfdist.distributions._tfp_backed import tfd
+from tfdist.tensor.placement_types import Replicate, Shard
 
 __all__ = ["Categorical"]
 
@@ -50,6 +51,21 @@ class Categorical(_ParamShape, _ProbsLogits):
     def log_prob(self, value):
         self._validate_sample(value)
         return self._tfp().log_prob(tf.cast(value, tf.int64))
+
+    # -- draws with DTensor parameters: inverse CDF over the categories -------------------------
+    def _draw_placements(self, param_placements, sample_ndim: int) -> tuple:
+        """The batch dims of the parameter lead the draw after the sample dims; the categories dim has
+        no counterpart (a draw is one index), so its sharding is dropped."""
+        batch = len(self.batch_shape)
+        return tuple(Shard(p.dim + sample_ndim) if isinstance(p, Shard) and p.dim < batch
+                     else (Replicate() if isinstance(p, Shard) else p) for p in param_placements)
+
+    def _from_uniform(self, u):
+        """The first category whose cumulative probability reaches ``u``: one uniform per draw, the same
+        values on any mesh (torch draws with torch.multinomial, so values differ from torch's)."""
+        cdf = tf.cumsum(tf.cast(self.probs, u.dtype), axis=-1)
+        below = tf.reduce_sum(tf.cast(cdf < u[..., None], tf.int64), axis=-1)
+        return tf.minimum(below, self._num_events - 1)  # rounding can leave cdf[-1] a hair under 1
 
     def enumerate_support(self, expand=True):
         values = tf.reshape(tf.range(self._num_events, dtype=tf.int64), [-1] + [1] * len(self.batch_shape))

@@ -357,3 +357,11 @@ class Distribution:
             for k in self.arg_constraints if k in self.__dict__
         )
         return f"{type(self).__name__}({params})"
+
+
+# the base class's own public methods (sample, sample_n, perplexity) speak DTensor too: a family that
+# samples through ``_sample`` (no rsample) returns its draw from here
+for _name in _METHODS:
+    if callable(Distribution.__dict__.get(_name)):
+        setattr(Distribution, _name, _public(Distribution.__dict__[_name]))
+del _name
