@@ -11,7 +11,7 @@ from tensorflow.experimental import dtensor
 import tfdist
 from conftest import make_mesh
 from tfdist import distributions as D
-from tfdist.tensor import DTensor, Shard, distribute_tensor
+from tfdist.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 
 def layout_specs(t):
@@ -75,18 +75,45 @@ def test_dtensor_parameters_mix_with_numbers_and_plain_tensors():
 
 
 @pytest.mark.parametrize("method", ["sample", "rsample", "sample_n"])
-def test_sampling_inside_tf_function_is_a_clear_error_and_log_prob_works(method):
-    """TF DTensor has no layout rule for random ops: a clear NotImplementedError naming the
-    way out (sample eagerly), not TF's raw MLIR text; densities still trace; the process
-    stays usable."""
-    mesh = make_mesh((8,))
-    loc = distribute_tensor(np.zeros(16, np.float32), mesh, [Shard(0)])
+def test_sampling_inside_tf_function_draws_fresh_sharded_values_the_same_on_any_mesh(method):
+    """Inside a tf.function a draw takes its seed from a counter on the mesh (as Keras' SeedGenerator):
+    every call draws new values, the same sequence on any mesh after tfdist.manual_seed, sharded like
+    the parameters."""
     draw = {"sample": lambda d: d.sample((2,)), "rsample": lambda d: d.rsample((2,)),
             "sample_n": lambda d: d.sample_n(2)}[method]
-    with pytest.raises(NotImplementedError, match=r"inside a tf.function .* Sample eagerly"):
-        tf.function(lambda l: draw(D.Normal(l, 1.0)))(loc)
+    seen = {}
+    for shape in ((8,), (2, 4)):
+        mesh = make_mesh(shape)
+        loc = distribute_tensor(np.arange(16, dtype=np.float32), mesh, [Shard(0)] + [Replicate()] * (len(shape) - 1))
+        fn = tf.function(lambda l: draw(D.Normal(l, 1.0)))
+        tfdist.manual_seed(4)
+        first, second = fn(loc), fn(loc)
+        assert dtensor.fetch_layout(first).sharding_specs[1] == mesh.mesh_dim_names[0]  # sharded like loc
+        seen[shape] = [DTensor.from_tf(t).numpy() for t in (first, second)]
+        assert not np.allclose(seen[shape][0], seen[shape][1])  # a fresh draw per call
+        tfdist.manual_seed(4)
+        np.testing.assert_allclose(DTensor.from_tf(fn(loc)).numpy(), seen[shape][0], rtol=1e-6)  # reseeded
+    for a, b in zip(seen[(8,)], seen[(2, 4)]):  # float32 ndtri may differ in the last ulp by shard size
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    z = (seen[(8,)][0] - np.arange(16)).ravel()
+    assert abs(z.mean()) < 0.6 and 0.5 < z.std() < 1.6
     lp = tf.function(lambda l: D.Normal(l, 1.0).log_prob(l))(loc)
     lp = lp if isinstance(lp, DTensor) else DTensor.from_tf(lp)  # traced: TF's layout comes back
     np.testing.assert_allclose(lp.numpy(), st.norm(0, 1).logpdf(0.0), rtol=1e-6)
-    samples = draw(D.Normal(loc, 1.0))  # eagerly: sharded like the parameters
-    assert isinstance(samples, DTensor) and tuple(samples.shape) == (2, 16)
+
+
+def test_discrete_draws_inside_tf_function_equal_on_any_mesh():
+    """Poisson (integer quantile search in a while loop) and Categorical, traced, on two meshes."""
+    seen = {}
+    for shape in ((8,), (2, 4)):
+        mesh = make_mesh(shape)
+        placements = [Shard(0)] + [Replicate()] * (len(shape) - 1)
+        rate = distribute_tensor(np.linspace(0.5, 9, 8).astype(np.float32), mesh, placements)
+        logits = distribute_tensor(np.tile([[1.0, 0.0, -1.0]], (8, 1)).astype(np.float32), mesh, placements)
+        tfdist.manual_seed(9)
+        out = tf.function(lambda r, g: (D.Poisson(r).sample((500,)), D.Categorical(logits=g).sample((500,))))(
+            rate, logits)
+        seen[shape] = [DTensor.from_tf(t).numpy() for t in out]
+    for a, b in zip(seen[(8,)], seen[(2, 4)]):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(seen[(8,)][0].mean(0), np.linspace(0.5, 9, 8), rtol=0.2)

@@ -11,7 +11,7 @@ from tfdist.device_mesh import DeviceMesh
 from tfdist.distributions.distribution import Distribution
 from tfdist.distributions.utils import as_shape
 from tfdist.tensor import _random
-from tfdist.tensor._factory import _random_seed
+from tfdist.tensor._factory import _random_seed, traced_seed_start
 from tfdist.tensor._layout import DTensorSpec, placements_from_tf_layout
 from tfdist.tensor.placement_types import Shard
 
@@ -68,16 +68,28 @@ class _TFPBacked(Distribution):
     def rsample(self, sample_shape=()):
         if not self.has_rsample:
             raise NotImplementedError
+        return self._draw(sample_shape)
+
+    def _sample(self, sample_shape):
+        return tf.stop_gradient(self._draw(sample_shape))
+
+    def _draw(self, sample_shape):
+        """TFP's sampler, or with DTensor parameters tfdist's sharding-invariant one (eager or traced)."""
         layout = self._dtensor_layout()
         if layout is not None:
             return self._sample_sharded(sample_shape, layout)
+        if not tf.executing_eagerly() and getattr(self, "_dtensor_mesh", None) is not None:
+            return self._sample_traced(sample_shape)
         return self._tfp().sample(as_shape(sample_shape))
 
-    def _sample(self, sample_shape):
-        layout = self._dtensor_layout()
-        if layout is not None:
-            return tf.stop_gradient(self._sample_sharded(sample_shape, layout))
-        return tf.stop_gradient(self._tfp().sample(as_shape(sample_shape)))
+    def _sample_traced(self, sample_shape):
+        """Inside a ``tf.function``: uniforms from the mesh's seed counter (``_random.next_seed``) as a
+        pure function of (seed, global index), through :meth:`_from_uniform`; TF DTensor's layout
+        propagation shards them like the parameters."""
+        shape = as_shape(sample_shape).concatenate(self.batch_shape).concatenate(self.event_shape)
+        mesh = self._dtensor_mesh.to_tf()
+        seed = _random.next_seed(mesh, traced_seed_start)
+        return self._from_uniform(_random.traced_unit(tuple(shape.as_list()), seed, mesh, self._dtype))
 
     # -- DTensor parameters ---------------------------------------------------------
     def _dtensor_layout(self):

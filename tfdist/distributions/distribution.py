@@ -53,13 +53,13 @@ def _public(fn):
 
         depth = getattr(_depth, "n", 0)
         if depth == 0 and fn.__name__ in _SAMPLERS and not tf.executing_eagerly() \
-                and (getattr(self, "_returns_dtensors", False) or _in_dtensor_program()):
+                and getattr(self, "_dtensor_mesh", None) is None and _in_dtensor_program():
             raise NotImplementedError(
-                f"{type(self).__name__}.{fn.__name__}() inside a tf.function that runs on a DTensor mesh is "
-                "not supported: TF DTensor has no layout rule for random ops (its own error reads 'does not "
-                "implement layout propagation'), and a traced function has no fresh seed to give tfdist's "
-                "sharded sampler. Sample eagerly (the samples stay sharded like the parameters) and pass "
-                "them into the function, or draw with tfdist.tensor.rand/randn outside it."
+                f"{type(self).__name__}.{fn.__name__}() inside a tf.function that runs on a DTensor mesh needs "
+                "the distribution's parameters as tfdist DTensors (they name the mesh the draw's seed lives "
+                "on); these are raw TF DTensors, whose mesh a traced function does not show. Pass "
+                "tfdist.tensor.DTensor.from_tf(t) into the function, or sample eagerly (the samples stay "
+                "sharded like the parameters)."
             )
         _depth.n = depth + 1
         try:
@@ -168,8 +168,10 @@ def _marking(init):
 
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
-        if any(isinstance(v, DTensor) for v in (*args, *kwargs.values())):
+        given = [v for v in (*args, *kwargs.values()) if isinstance(v, DTensor)]
+        if given:
             self._returns_dtensors = True
+            self._dtensor_mesh = given[0].device_mesh.root_mesh  # where draws inside a tf.function live
         _check_parameter_types(type(self), init, args, kwargs)
         try:
             init(self, *args, **kwargs)

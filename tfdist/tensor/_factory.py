@@ -129,6 +129,7 @@ def manual_seed(seed: int) -> None:
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
         raise TypeError(f"seed must be an int. Received: seed={seed!r}")
     tf.random.set_seed(int(seed))
+    _random_lib.reset_seed_states(traced_seed_start)
 
 
 def _random_seed() -> tuple[int, int]:
@@ -145,6 +146,13 @@ def _random_seed() -> tuple[int, int]:
         return int(global_seed), int(op_seed)
     seeds = tf.random.get_global_generator().make_seeds(1)[:, 0].numpy()
     return int(seeds[0]), int(seeds[1])
+
+
+def traced_seed_start() -> tuple[int, int]:
+    """Where a mesh's seed counter for draws inside ``tf.function`` starts: (global seed, 0) when one is
+    set, so the same traced draws give the same values on every mesh; else a fresh pair."""
+    global_seed, _ = tf.compat.v1.random.get_seed(None)
+    return (int(global_seed), 0) if global_seed is not None else _random_seed()
 
 
 def _random(caller: str, draw, size, dtype, device_mesh, placements) -> DTensor:

@@ -25,7 +25,8 @@ from tensorflow.experimental import dtensor
 from tfdist.tensor._layout import DTensorSpec, physical_layout
 from tfdist.tensor.placement_types import Replicate, Shard
 
-__all__ = ["uniform_bits", "uniform", "normal", "truncated_normal", "dropout", "draw_like"]
+__all__ = ["uniform_bits", "uniform", "normal", "truncated_normal", "dropout", "draw_like", "next_seed",
+           "reset_seed_states", "traced_unit"]
 
 _U32 = tf.uint32
 
@@ -217,3 +218,38 @@ def dropout(
     if fn is None:
         fn = _DROPOUT_FNS[mesh] = _dropout_fn(mesh)
     return fn(x, float(rate), noise, seed)
+
+
+# -- seeds inside traced programs: one counter per mesh, as Keras' SeedGenerator keeps one ----------
+_SEED_STATES: dict = {}
+
+
+def next_seed(mesh: dtensor.Mesh, initial) -> tf.Tensor:
+    """A fresh int64 seed pair for one draw inside a ``tf.function`` on ``mesh``.
+
+    The state is a replicated ``DVariable`` on ``mesh`` (made outside any trace the first time, from
+    ``initial()``, a pair of ints); each call reads it and advances its second value, so every call of
+    the traced function draws new values, and a re-seeded process (:func:`reset_seed_states`) draws
+    the same sequence again.
+    """
+    state = _SEED_STATES.get(mesh)
+    if state is None:
+        with tf.init_scope():
+            value = dtensor.copy_to_mesh(tf.constant(initial(), tf.int64), dtensor.Layout.replicated(mesh, 1))
+            state = _SEED_STATES[mesh] = dtensor.DVariable(value, trainable=False)
+    seed = tf.identity(state.read_value())
+    state.assign_add(tf.constant([0, 1], tf.int64))
+    return seed
+
+
+def reset_seed_states(initial) -> None:
+    """Restarts every mesh's seed counter from ``initial()`` (``tfdist.manual_seed``)."""
+    for mesh, state in _SEED_STATES.items():
+        state.assign(dtensor.copy_to_mesh(tf.constant(initial(), tf.int64), dtensor.Layout.replicated(mesh, 1)))
+
+
+def traced_unit(shape: tuple[int, ...], seed: tf.Tensor, mesh: dtensor.Mesh, dtype: tf.DType) -> tf.Tensor:
+    """Uniform values in (0, 1) for the global ``shape`` inside a traced program: a pure function of
+    (seed, global index), so the same on any mesh; layout propagation shards them like the
+    parameters they meet."""
+    return _unit(_seeded_bits(shape, seed, mesh), dtype, open_low=True)
