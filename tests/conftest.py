@@ -44,6 +44,9 @@ def _slow_ids() -> set[str]:
     return {line for line in lines if line}
 
 
+_MULTI_PROCESS_FILES = {"tests/test_multiclient.py", "tests/checkpoint/test_kill.py"}
+
+
 def pytest_collection_modifyitems(config, items):
     """Marks the tests tests/slow_suite.txt lists as slow (run by ``pytest -m slow``); an id that
     names no test of a collected file is an error, so the list follows renames."""
@@ -51,6 +54,10 @@ def pytest_collection_modifyitems(config, items):
     matched: set[str] = set()
     for item in items:
         nodeid = item.nodeid.replace("\\", "/")
+        if nodeid.split("::")[0] in _MULTI_PROCESS_FILES:
+            # under pytest-xdist (CI's slow suite) jobs of several client processes run one at a
+            # time on one worker: two at once on a 2-core machine would only race their timeouts
+            item.add_marker(pytest.mark.xdist_group("clients"))
         for key in (nodeid, nodeid.split("[")[0]):
             if key in ids:
                 item.add_marker(pytest.mark.slow)
