@@ -59,6 +59,10 @@ def test_gamma_samples_sharded_and_von_mises_without_icdf_is_a_clear_error():
     assert st.kstest(gather_to_numpy(draws)[:, 3], st.gamma(2.0, scale=0.5).cdf).pvalue > 1e-4
     with pytest.raises(NotImplementedError, match="needs its icdf"):  # no icdf in TFP, not on the integers
         D.VonMises(conc, conc).sample((3,))
+    for family in (D.Beta, D.StudentT):  # TFP's quantile makes a plain tensor: a clear error, not TF's text
+        with pytest.raises(NotImplementedError, match=rf"sampling {family.__name__} with DTensor parameters: "
+                                                      "TFP's quantile for it makes a plain tensor"):
+            (family(conc, conc) if family is D.Beta else family(conc)).sample((3,))
 
 
 def test_dtensor_parameters_mix_with_numbers_and_plain_tensors():

@@ -137,6 +137,15 @@ class _TFPBacked(Distribution):
                     f"sampling {type(self).__name__} with DTensor parameters needs its icdf, which TFP "
                     "does not provide; TF DTensor has no layout rule for random ops."
                 ) from err
+        except tf.errors.UnimplementedError as err:
+            if "got a regular tensor" not in str(err):
+                raise
+            raise NotImplementedError(
+                f"sampling {type(self).__name__} with DTensor parameters: TFP's quantile for it makes a plain "
+                "tensor beside the DTensor parameters, which TF DTensor refuses ("
+                f"{str(err).splitlines()[0][:120]}...). Sample with plain parameters, or distribute the draws "
+                "afterwards with tfdist.tensor.distribute_tensor."
+            ) from None
         return integer_quantile(lambda k: self._tfp().cdf(tf.cast(k, self._dtype)), u)  # k: candidates, unchecked
 
     def log_prob(self, value):
