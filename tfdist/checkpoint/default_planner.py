@@ -12,6 +12,8 @@ only the bytes of its own shard whatever the saving mesh was.
 from __future__ import annotations
 
 import dataclasses
+import io
+import pickle
 from typing import Any
 
 import tensorflow as tf
@@ -118,8 +120,13 @@ class DefaultSavePlanner(SavePlanner):
         return self.state_dict[index.fqn]
 
     def transform_object(self, write_item: WriteItem, object: Any) -> Any:  # noqa: A002 (torch's name)
+        """torch's protocol: a BYTE_IO item's object is serialised into an ``io.BytesIO`` (pickle here,
+        ``torch.save`` in torch); a storage writer stores its bytes."""
         if write_item.type == WriteItemType.BYTE_IO:
-            return object
+            buffer = io.BytesIO()
+            pickle.dump(object, buffer)
+            buffer.seek(0)
+            return buffer
         return object
 
     def _tensor(self, fqn: str) -> tf.Tensor:
@@ -283,7 +290,22 @@ class DefaultLoadPlanner(LoadPlanner):
         self._set(fqn, _values.put_back(self.state_dict[fqn], tensor))
 
     def load_bytes(self, read_item: ReadItem, value: Any) -> None:
+        """Puts an object in place from the ``io.BytesIO`` a storage reader gives (torch's protocol; a
+        reader that gives the object itself is accepted too)."""
+        if isinstance(value, io.BytesIO):
+            value.seek(0)
+            value = pickle.load(value)
         self._set(read_item.dest_index.fqn, value)
+
+    def resolve_bytes(self, read_item: ReadItem) -> io.BytesIO:
+        """The ``io.BytesIO`` a storage reader may fill in place for ``read_item``: the state dict's own,
+        when its value is one (torch's contract: it aliases the state dict's)."""
+        value = self.state_dict.get(read_item.dest_index.fqn)
+        if not isinstance(value, io.BytesIO):
+            raise NotImplementedError(
+                f"resolve_bytes: the state dict's {read_item.dest_index.fqn!r} is a {type(value).__name__}, not an "
+                "io.BytesIO to fill in place; its value is loaded with load_bytes.")
+        return value
 
     def _set(self, fqn: str, value: Any) -> None:
         self.state_dict[fqn] = value

@@ -19,6 +19,7 @@ read.
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 import pathlib
 import pickle
@@ -161,7 +162,8 @@ class FileSystemWriter(_Directory, StorageWriter):
         results = []
         if objects:
             name = f"r{rank:05d}.objects"
-            data = pickle.dumps({i.index.fqn: planner.resolve_data(i) for i in objects})
+            data = pickle.dumps({_BYTES_FORMAT: 1, "items": {i.index.fqn: _as_bytes(planner.resolve_data(i), i)
+                                                             for i in objects}})
             _write_atomically(folder / name, data, self.sync_files)
             results += [WriteResult(i.index, len(data), {"objects": name}) for i in objects]
         groups = self._bundles(tensors)
@@ -253,6 +255,27 @@ class FileSystemWriter(_Directory, StorageWriter):
                 entry.unlink(missing_ok=True)
 
 
+_BYTES_FORMAT = "__tfdist_object_bytes__"  # an objects file holding each object's bytes (torch's BYTE_IO)
+
+
+def _as_bytes(data: Any, item: WriteItem) -> bytes:
+    """What ``resolve_data`` gave for a BYTE_IO item (torch's protocol: an ``io.BytesIO``) as bytes."""
+    if isinstance(data, io.BytesIO):
+        return data.getvalue()
+    if isinstance(data, (bytes, bytearray)):
+        return bytes(data)
+    raise TypeError(f"save: resolve_data must give an io.BytesIO for the object {item.index.fqn!r} (torch's "
+                    f"BYTE_IO protocol). Received: {type(data).__name__}")
+
+
+def object_bytes(content: bytes) -> dict[str, bytes]:
+    """An objects file's entries as each object's bytes (files of tfdist before it kept bytes: re-pickled)."""
+    loaded = pickle.loads(content)
+    if isinstance(loaded, dict) and loaded.get(_BYTES_FORMAT) == 1:
+        return loaded["items"]
+    return {k: pickle.dumps(v) for k, v in loaded.items()}
+
+
 class FileSystemReader(_Directory, StorageReader):
     """Reads a checkpoint directory written by :class:`FileSystemWriter`.
 
@@ -316,8 +339,8 @@ class FileSystemReader(_Directory, StorageReader):
                     raise CheckpointCorruptError(
                         f"load: {item.storage_index.fqn!r}: checkpoint file {f} fails its CRC32 check (corrupted)."
                     )
-                loaded[name] = pickle.loads(f.read_bytes())
-            planner.load_bytes(item, loaded[name][item.storage_index.fqn])
+                loaded[name] = object_bytes(f.read_bytes())
+            planner.load_bytes(item, io.BytesIO(loaded[name][item.storage_index.fqn]))
 
     def _read_tensors(self, items: list[ReadItem], planner: LoadPlanner) -> None:
         if not items:

@@ -27,7 +27,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.checkpoint import _tf_io
-from tfdist.checkpoint.filesystem import FileSystemReader
+from tfdist.checkpoint.filesystem import FileSystemReader, object_bytes
 from tfdist.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 from tfdist.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from tfdist.checkpoint.state_dict_loader import load
@@ -67,8 +67,8 @@ def read_full_state_dict(dcp_checkpoint_dir: str | os.PathLike) -> dict[str, Any
         if isinstance(md, BytesStorageMetadata):
             name = metadata.storage_data["objects"][key]
             if name not in objects:
-                objects[name] = pickle.loads((reader.folder / name).read_bytes())
-            out[key] = objects[name][key]
+                objects[name] = object_bytes((reader.folder / name).read_bytes())
+            out[key] = pickle.loads(objects[name][key])
     return out
 
 

@@ -16,6 +16,7 @@ puts it in place (``Variable.assign`` or replacing the state-dict entry).
 from __future__ import annotations
 
 import abc
+import io
 import dataclasses
 import enum
 import math
@@ -130,6 +131,11 @@ class LoadPlanner(abc.ABC):
 
     @abc.abstractmethod
     def load_bytes(self, read_item: ReadItem, value: Any) -> None: ...
+
+    def resolve_bytes(self, read_item: ReadItem) -> io.BytesIO:
+        """The ``io.BytesIO`` a storage reader fills for ``read_item``; it should alias one in the state
+        dict.  As in torch, planners need not provide it (the default reader calls ``load_bytes``)."""
+        raise NotImplementedError("LoadPlanner.resolve_bytes is not implemented")
 
     @abc.abstractmethod
     def resolve_tensor(self, read_item: ReadItem) -> Any: ...
