@@ -30,6 +30,7 @@ from tfdist.checkpoint._dist import CheckpointError
 from tfdist.checkpoint.state_dict_loader import load, load_state_dict
 from tfdist.checkpoint.state_dict_saver import AsyncCheckpointerType, async_save, save, save_state_dict
 from tfdist.checkpoint.stateful import Stateful
+from tfdist.checkpoint import staging
 from tfdist.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
 __all__ = [
@@ -38,5 +39,5 @@ __all__ = [
     "DefaultSavePlanner", "DefaultLoadPlanner", "SavePlanner", "LoadPlanner", "SavePlan", "LoadPlan",
     "WriteItem", "ReadItem", "WriteItemType", "LoadItemType", "TensorWriteData",
     "Metadata", "MetadataIndex", "TensorProperties", "TensorStorageMetadata", "BytesStorageMetadata",
-    "ChunkStorageMetadata", "StorageMeta", "Stateful", "CheckpointCorruptError", "CheckpointError",
+    "ChunkStorageMetadata", "StorageMeta", "Stateful", "CheckpointCorruptError", "CheckpointError", "staging",
 ]

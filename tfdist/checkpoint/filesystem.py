@@ -37,6 +37,7 @@ from tfdist.checkpoint.metadata import Metadata, StorageMeta
 from tfdist.checkpoint.planner import (
     LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItem, WriteItemType,
 )
+from tfdist.checkpoint.staging import BlockingAsyncStager
 from tfdist.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
 __all__ = ["FileSystemWriter", "FileSystemReader", "CheckpointCorruptError"]
@@ -101,7 +102,7 @@ class _Directory:
         return isinstance(checkpoint_id, (str, os.PathLike)) and "://" not in os.fspath(checkpoint_id)
 
 
-class FileSystemWriter(_Directory, StorageWriter):
+class FileSystemWriter(_Directory, StorageWriter, BlockingAsyncStager):
     """Writes a checkpoint directory (see the module docstring for its layout).
 
     Args:
@@ -111,7 +112,8 @@ class FileSystemWriter(_Directory, StorageWriter):
         sync_files: fsync every file before the metadata commit.
         thread_count: threads writing this client's bundles in parallel.
         per_thread_copy_ahead: accepted for torch compatibility (TF stages by reference).
-        cache_staged_state_dict: accepted for torch compatibility.
+        cache_staged_state_dict: as :class:`~tfdist.checkpoint.staging.BlockingAsyncStager`'s (its ``stage``
+            is this writer's: ``async_save`` stages with it).
         overwrite: ``False`` refuses to replace an existing checkpoint in ``path``.
 
     Example::
@@ -130,7 +132,7 @@ class FileSystemWriter(_Directory, StorageWriter):
         self.sync_files = sync_files
         self.thread_count = thread_count
         self.per_thread_copy_ahead = per_thread_copy_ahead
-        self.cache_staged_state_dict = cache_staged_state_dict
+        BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
         self.overwrite = overwrite
         self.is_coordinator = False
 

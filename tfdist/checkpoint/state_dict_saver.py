@@ -8,10 +8,11 @@ import threading
 from concurrent.futures import Future
 from typing import Any
 
-from tfdist.checkpoint import _coordination, _dist, _values
+from tfdist.checkpoint import _coordination, _dist
 from tfdist.checkpoint.default_planner import DefaultSavePlanner
 from tfdist.checkpoint.metadata import Metadata
 from tfdist.checkpoint.planner import SavePlanner
+from tfdist.checkpoint.staging import AsyncStager, BlockingAsyncStager
 from tfdist.checkpoint.storage import StorageWriter
 
 __all__ = ["save", "async_save", "AsyncCheckpointerType", "save_state_dict"]
@@ -51,12 +52,16 @@ def save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike | None 
 def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike | None = None,
                storage_writer: StorageWriter | None = None, planner: SavePlanner | None = None,
                process_group: Any = None,
-               async_checkpointer_type: AsyncCheckpointerType = AsyncCheckpointerType.THREAD) -> Future:
+               async_checkpointer_type: AsyncCheckpointerType = AsyncCheckpointerType.THREAD,
+               async_stager: AsyncStager | None = None) -> Future:
     """Like :func:`save`, but returns once the state is staged; the writing runs in a thread.
 
     Staging snapshots every value (chunks on GPU/TPU are copied to host
     memory), so training may update the model while the checkpoint is
-    written.  Errors surface on ``future.result()``; a failed async save, like
+    written.  The stager is ``async_stager``, else the storage writer when it
+    is an :class:`~tfdist.checkpoint.staging.AsyncStager` (``FileSystemWriter``
+    is), else a :class:`~tfdist.checkpoint.staging.BlockingAsyncStager`, as in
+    torch.  Errors surface on ``future.result()``; a failed async save, like
     a failed save, leaves the previous checkpoint in place.  The writing
     thread talks to other clients only through TF's coordination service,
     never through device collectives, so it cannot interleave with the
@@ -79,9 +84,11 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike |
                                    _coordination.DEFAULT_WRITER)
     planner = planner if planner is not None else DefaultSavePlanner()
     group = _dist.Group(no_dist=False)
-    state = _coordination.stateful_values(state_dict)
-    values = _values.read_variables(_leaves(state))
-    staged = {k: _stage_tree(v, values) for k, v in state.items()}
+    if async_stager is not None and not isinstance(async_stager, AsyncStager):
+        raise TypeError(f"async_save: async_stager must be a tfdist.checkpoint.staging.AsyncStager. Received: "
+                        f"async_stager={async_stager!r}")
+    stager = async_stager or (writer if isinstance(writer, AsyncStager) else BlockingAsyncStager())
+    staged = stager.stage(state_dict)
     plan, metadata = _coordination.plan_save(staged, writer, planner, group)
     future: Future = Future()
 
@@ -92,25 +99,9 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike |
             future.set_exception(e)
 
     threading.Thread(target=run, name="tfdist-async-save", daemon=False).start()
+    if stager.should_synchronize_after_execute:
+        stager.synchronize_staging()
     return future
-
-
-def _leaves(value: Any) -> list[Any]:
-    if isinstance(value, dict):
-        return [leaf for v in value.values() for leaf in _leaves(v)]
-    if isinstance(value, (list, tuple)) and not _values.is_tensor_like(value):
-        return [leaf for v in value for leaf in _leaves(v)]
-    return [value]
-
-
-def _stage_tree(value: Any, read: dict[int, Any]) -> Any:
-    if isinstance(value, dict):
-        return {k: _stage_tree(v, read) for k, v in value.items()}
-    if isinstance(value, list) and not _values.is_tensor_like(value):
-        return [_stage_tree(v, read) for v in value]
-    if isinstance(value, tuple) and not _values.is_tensor_like(value):
-        return tuple(_stage_tree(v, read) for v in value)
-    return _values.stage(value, read.get(id(value)))
 
 
 def save_state_dict(state_dict: dict[str, Any], storage_writer: StorageWriter, process_group: Any = None,
