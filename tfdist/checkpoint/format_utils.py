@@ -11,6 +11,10 @@
   stores ``[out, in]``, Keras's ``Dense`` ``[in, out]``: transpose there).
 * ``dcp_to_keras_weights`` / ``keras_weights_to_dcp``: Keras ``.weights.h5``
   files, through a model of the right architecture.
+* torch's own: ``dcp_to_torch_save`` / ``torch_save_to_dcp``, and
+  ``BroadcastingTorchSaveReader`` with ``DynamicMetaLoadPlanner`` to load a
+  ``torch.save`` file straight into sharded values (need torch:
+  ``pip install tfdist[torch]``).
 
 These run in one process and hold whole tensors in host memory: they are for
 hand-over between formats, not for training-time saves.
@@ -27,6 +31,9 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.checkpoint import _tf_io
+from tfdist.checkpoint._torch_save import (
+    BroadcastingTorchSaveReader, DynamicMetaLoadPlanner, dcp_to_torch_save, torch_save_to_dcp,
+)
 from tfdist.checkpoint.filesystem import FileSystemReader, object_bytes
 from tfdist.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 from tfdist.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
@@ -36,6 +43,7 @@ from tfdist.checkpoint.state_dict_saver import save
 __all__ = [
     "dcp_to_tf_checkpoint", "tf_checkpoint_to_dcp", "dcp_to_safetensors", "safetensors_to_dcp",
     "dcp_to_keras_weights", "keras_weights_to_dcp", "read_full_state_dict",
+    "dcp_to_torch_save", "torch_save_to_dcp", "BroadcastingTorchSaveReader", "DynamicMetaLoadPlanner",
 ]
 
 NameMap = Mapping[str, str] | Callable[[str], "str | None"] | None
