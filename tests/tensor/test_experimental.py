@@ -118,3 +118,31 @@ def test_register_sharding_overrides_a_builtin_rule():
     finally:
         del _dispatch.CUSTOM_STRATEGIES[tf.nn.softmax]
     assert tf.nn.softmax(x).placements == (Shard(0), Replicate())  # built-in rule again
+
+
+def test_register_sharding_with_a_partial_output_runs_on_local_shards():
+    """torch's contraction split: A sharded on its columns and B on its rows over tp give each device a
+    partial product; the strategy says Partial, the op runs per device (no collective), and the sum of
+    the partials is A @ B."""
+    from tfdist.tensor import _dispatch
+
+    @register_sharding(tf.linalg.matmul)
+    def contraction(a, b, *rest, **kwargs):
+        none = [None] * len(rest)
+        return [(Replicate(), [Replicate(), Replicate(), *none]),
+                (Partial(), [Shard(1), Shard(0), *none])]
+
+    a_np, b_np = X[:, :8], X[:8, :4] / 10
+    try:
+        a = distribute_tensor(a_np, MESH, [Replicate(), Shard(1)])
+        b = distribute_tensor(b_np, MESH, [Replicate(), Shard(0)])
+        with CommDebugMode() as comm:
+            y = tf.linalg.matmul(a, b)
+        assert y.placements == (Replicate(), Partial()) and comm.get_total_counts() == 0
+        parts = [t.numpy() for t in y.local_tensors()]
+        for i, part in enumerate(parts):  # device i holds tp block i // ... of the contraction
+            k = i % 4
+            np.testing.assert_allclose(part, a_np[:, 2 * k:2 * k + 2] @ b_np[2 * k:2 * k + 2], rtol=1e-6)
+        np.testing.assert_allclose(y.full_tensor().numpy(), a_np @ b_np, rtol=1e-5)
+    finally:
+        del _dispatch.CUSTOM_STRATEGIES[tf.linalg.matmul]

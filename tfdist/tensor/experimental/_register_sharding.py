@@ -9,7 +9,10 @@ non-tensors).  tfdist picks, per mesh dim, the acceptable sharding that is
 cheapest to reach from the inputs' current placements, redistributes, runs
 the op on the physical TF DTensors and wraps the result.  A registration
 overrides tfdist's built-in rule for that op, and adds DTensor support for
-any TF API that had none.
+any TF API that had none.  A strategy may give a ``Partial`` output (torch's
+row-times-column split of a contraction): that one runs the op on each
+device's local shards with ``local_map``, since TF DTensor's global op would
+reduce inside.
 """
 
 from __future__ import annotations
@@ -104,13 +107,10 @@ def _run_custom(api: Callable, strategy_fn: Callable, args: tuple, kwargs: dict)
                 f"a strategy gave {len(ins)} input placements for {len(args)} arguments: "
                 f"{(out, ins)!r}"
             )
-        if any(isinstance(p, Partial) for p in _as_tuple(out)):
-            raise NotImplementedError(
-                "Partial outputs from register_sharding are not supported: TF DTensor "
-                "reduces inside the op, so the output is never partial."
-            )
         strategies.append((out, ins))
     chosen = _choose(strategies, specs, root.ndim)
+    if any(isinstance(p, Partial) for out, _ in chosen for p in _as_tuple(out)):
+        return _run_locally(api, chosen, args, kwargs, specs, mesh)
     physical = []
     for i, a in enumerate(args):
         if specs[i] is None:
@@ -127,6 +127,24 @@ def _run_custom(api: Callable, strategy_fn: Callable, args: tuple, kwargs: dict)
         spec = DTensorSpec(root, out_root, tuple(y.shape.as_list()))
         wrapped.append(DTensor._wrap(dtensor.relayout(y, spec.tf_layout), spec))
     return wrapped[0] if isinstance(result, tf.Tensor) else type(result)(wrapped)
+
+
+def _run_locally(api: Callable, chosen, args: tuple, kwargs: dict, specs, mesh):
+    """A strategy with a Partial output: TF DTensor would reduce inside the global op, so the op runs on
+    each device's local shards instead (``local_map``), which leaves each device its partial result."""
+    from tfdist.tensor.experimental._local_map import local_map
+
+    if mesh.root_mesh != mesh:
+        raise NotImplementedError(
+            f"{getattr(api, '__name__', api)}: a registered strategy with a Partial output needs DTensors on a "
+            f"root mesh (its placements name every mesh dim); these live on the sub-mesh {mesh!r}.")
+    in_placements = [None if spec is None else tuple(ins[i] or Replicate() for _, ins in chosen)
+                     for i, spec in enumerate(specs)]
+    n_out = len(_as_tuple(chosen[0][0]))
+    out_placements = [tuple(_as_tuple(out)[j] or Replicate() for out, _ in chosen) for j in range(n_out)]
+    fn = local_map(lambda *a: api(*a, **kwargs), out_placements[0] if n_out == 1 else out_placements,
+                   in_placements, mesh, redistribute_inputs=True)
+    return fn(*args)
 
 
 def register_sharding(op: Callable) -> Callable[[Callable], Callable]:
