@@ -135,14 +135,30 @@ def test_ops_factories_and_tools():
     assert "(S(0), S(0))" in table and "4:5" in table  # device (1, 0) holds row 4 (5 + 4 rows)
 
 
-def test_local_map_refuses_nested_shards_clearly():
+def test_local_map_of_nested_and_uneven_shards_runs_per_device_eagerly():
+    """One dim over two mesh dims, and 10 rows over 8 devices (uneven, empty shards): the function runs
+    on each device's own shard (a row-wise softmax and a row count), results put back as torch's
+    shards; inside a tf.function this form is refused with the reason."""
     from tfdist.tensor.experimental import local_map
 
     mesh = MESHES[(2, 4)]
-    d = distribute_tensor(np.ones((8, 2), np.float32), mesh, [Shard(0), Shard(0)])
+    x = np.random.default_rng(1).standard_normal((10, 3)).astype(np.float32)
+    softmax = np.exp(x) / np.exp(x).sum(1, keepdims=True)
+    for placements in ([Shard(0), Shard(0)], [Shard(0), Replicate()], [Replicate(), Shard(0)]):
+        d = distribute_tensor(x, mesh, placements)
+        fn = local_map(lambda t: (tf.nn.softmax(t), tf.shape(t, out_type=tf.int64)[:1]),
+                       out_placements=[placements, [Shard(0), Shard(0)]],
+                       device_mesh=mesh)
+        y, rows = fn(d)
+        assert y.placements == tuple(placements)
+        np.testing.assert_allclose(y.full_tensor().numpy(), softmax, rtol=1e-6)
+        # each device's row count, as torch.chunk gives it
+        sizes = [t.shape[0] for t in d.local_tensors()]
+        np.testing.assert_array_equal(rows.full_tensor().numpy(), sizes)
+    d = distribute_tensor(x, mesh, [Shard(0), Shard(0)])
     fn = local_map(lambda t: t * 2, out_placements=[Shard(0), Shard(0)], device_mesh=mesh)
-    with pytest.raises(ValueError, match="at most one mesh dim"):
-        fn(d)
+    with pytest.raises(ValueError, match="runs per device, eagerly"):
+        tf.function(fn)(d)
 
 
 def test_nested_shards_move_eagerly_without_tfdist_keras(tmp_path):

@@ -9,7 +9,10 @@ function is vectorised over those axes with ``tf.vectorized_map`` (one map
 per mesh dim, nested), so each device applies it to exactly its own shard;
 inputs replicated on a mesh dim are captured, not copied.  Outputs are put
 back by the inverse reshape.  Measured: no collective for the views (see
-tests/test_local_map.py).
+tests/test_local_map.py).  Uneven shards and dims sharded over several mesh
+dims (inputs or outputs) have no equal-shaped stacked view: eagerly, the
+function then runs once per device on ``local_tensors()`` and the results go
+back through ``from_local`` (``_per_device``), an exact fallback off the hot path.
 """
 
 from __future__ import annotations
@@ -235,6 +238,9 @@ def local_map(
                     a = a.redistribute(mesh, want)
             prepared.append(a)
 
+        if any(isinstance(a, DTensor) and (a._spec.uneven_dims or a._spec.multi_dims) for a in prepared) \
+                or _nests_a_dim(out_placements):
+            return _per_device(func, prepared, kwargs, out_placements, mesh)
         device_dims = sorted({
             m for a in prepared if isinstance(a, DTensor)
             for m, p in enumerate(a._spec.root_placements) if not p.is_replicate()
@@ -254,6 +260,71 @@ def local_map(
         return _wrap_outputs(result, out_placements, have, mesh, root)
 
     return wrapped
+
+
+def _nests_a_dim(out_placements) -> bool:
+    """Whether some output's placements shard one tensor dim over several mesh dims."""
+    groups = [out_placements] if out_placements and all(isinstance(p, Placement) for p in out_placements) \
+        else [g for g in (out_placements or []) if g is not None]
+    for group in groups:
+        dims = [p.dim for p in group if isinstance(p, Shard)]
+        if len(dims) != len(set(dims)):
+            return True
+    return False
+
+
+def _per_device(func: Callable, args: list, kwargs: dict, out_placements, mesh: DeviceMesh):
+    """local_map for shards a vectorised call cannot take (uneven, or one dim over several mesh dims):
+    ``func`` runs once per local device on that device's shard (eagerly: ``local_tensors``), and the
+    results are put back with ``from_local``, the global shape summed from the local ones.  Exact, but
+    one call per device: off the hot path by design, and refused inside ``tf.function``."""
+    if not tf.executing_eagerly():
+        raise ValueError(
+            "local_map of uneven shards or of a dim sharded over several mesh dims runs per device, eagerly "
+            "(the vectorised form needs equal local shapes and one mesh dim per tensor dim); inside a "
+            "tf.function, redistribute those inputs first.")
+    if len(mesh.local_device_ids()) != mesh.size() or mesh.root_mesh != mesh:
+        raise NotImplementedError(
+            "local_map's per-device form (uneven or multi-mesh-dim shards) needs a root mesh whose devices are "
+            "all on this client, to add up the output's global shape; redistribute the inputs first.")
+    locals_ = [a.local_tensors() if isinstance(a, DTensor) else None for a in args]
+    results = [func(*[a if loc is None else loc[i] for a, loc in zip(args, locals_)], **kwargs)
+               for i in range(len(mesh.local_device_ids()))]
+    single = isinstance(results[0], tf.Tensor)
+    per_output = [[r] if single else list(r) for r in results]
+    n = len(per_output[0])
+    specs = [out_placements] if single else list(out_placements or [None] * n)
+    if len(specs) != n:
+        raise ValueError(f"func returned {n} outputs; give out_placements one entry per output "
+                         f"(placements or None). Received: out_placements={out_placements!r}")
+    outs = []
+    for j, placements in enumerate(specs):
+        column = [r[j] for r in per_output]
+        if placements is None or not isinstance(column[0], tf.Tensor):
+            outs.append(column[0])
+            continue
+        placements = normalize_placements(placements, mesh, column[0].shape.rank)
+        outs.append(DTensor.from_local(column, mesh, placements, shape=_summed_shape(column, placements, mesh)))
+    return outs[0] if single else type(results[0])(outs)
+
+
+def _summed_shape(column: list[tf.Tensor], placements, mesh: DeviceMesh) -> tuple[int, ...]:
+    """The global shape whose shards (``placements``, in mesh order) are ``column``'s local tensors: along
+    a sharded dim, the sum of the sizes of the devices that differ only on the mesh dims sharding it."""
+    coords = [tuple(c) for c in mesh.root_mesh.local_coordinates()]
+    index = {c: i for i, c in enumerate(coords)}
+    first = coords[0]
+    shape = list(column[0].shape.as_list())
+    for d in range(len(shape)):
+        dims = [m for m, p in enumerate(placements) if isinstance(p, Shard) and p.dim == d]
+        if not dims:
+            continue
+        total = 0
+        for c in coords:
+            if all(c[m] == first[m] for m in range(len(c)) if m not in dims):
+                total += column[index[c]].shape[d]
+        shape[d] = total
+    return tuple(shape)
 
 
 def _wrap_outputs(result, out_placements, have, mesh, root):
