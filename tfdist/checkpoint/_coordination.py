@@ -15,7 +15,7 @@ from tfdist.checkpoint import _dist
 from tfdist.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from tfdist.checkpoint.metadata import Metadata
 from tfdist.checkpoint.planner import LoadPlanner, SavePlan, SavePlanner
-from tfdist.checkpoint.stateful import Stateful
+from tfdist.checkpoint.stateful import Stateful, stateful_values  # noqa: F401 (callers use it from here)
 from tfdist.checkpoint.storage import StorageReader, StorageWriter
 
 
@@ -69,11 +69,6 @@ def locally(group: _dist.Group, fn: Callable[[], Any], what: str) -> Any:
         error = e
     _dist.check_all(group, error, what)
     return value
-
-
-def stateful_values(state_dict: dict) -> dict:
-    """``state_dict`` with each Stateful value replaced by its ``state_dict()``."""
-    return {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state_dict.items()}
 
 
 def plan_save(state_dict: dict, writer: StorageWriter, planner: SavePlanner,

@@ -16,12 +16,14 @@ import tensorflow as tf
 
 from tfdist.checkpoint import _values
 from tfdist.checkpoint._dist import Group
+from tfdist.checkpoint._whole import read_full_state_dict
 from tfdist.checkpoint.default_planner import DefaultLoadPlanner, flatten_state_dict
-from tfdist.checkpoint.filesystem import FileSystemReader
+from tfdist.checkpoint.filesystem import FileSystemReader, _done
 from tfdist.checkpoint.metadata import (
     BytesStorageMetadata, ChunkStorageMetadata, Metadata, StorageMeta, TensorProperties, TensorStorageMetadata,
 )
 from tfdist.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from tfdist.checkpoint.state_dict_saver import save
 from tfdist.checkpoint.storage import StorageReader
 
 __all__ = ["dcp_to_torch_save", "torch_save_to_dcp", "BroadcastingTorchSaveReader", "DynamicMetaLoadPlanner"]
@@ -97,8 +99,6 @@ def dcp_to_torch_save(dcp_checkpoint_dir: str | os.PathLike, torch_save_path: st
         sd = torch.load("/tmp/model.pt")
     """
     torch = _torch("dcp_to_torch_save")
-    from tfdist.checkpoint.format_utils import read_full_state_dict
-
     flat = read_full_state_dict(dcp_checkpoint_dir)
     metadata = FileSystemReader(dcp_checkpoint_dir).read_metadata()
     mappings = (metadata.planner_data or {}).get("mappings", {})
@@ -113,8 +113,6 @@ def torch_save_to_dcp(torch_save_path: str | os.PathLike, dcp_checkpoint_dir: st
         torch_save_to_dcp("/tmp/model.pt", "/tmp/ckpt")
     """
     torch = _torch("torch_save_to_dcp")
-    from tfdist.checkpoint.state_dict_saver import save
-
     state = torch.load(os.fspath(torch_save_path), weights_only=False, map_location="cpu")
     if not isinstance(state, dict):
         raise ValueError(f"torch_save_to_dcp: {torch_save_path} holds a {type(state).__name__}, not a state dict.")
@@ -181,8 +179,6 @@ class BroadcastingTorchSaveReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner):
-        from tfdist.checkpoint.filesystem import _done
-
         group = Group(no_dist=False)
         flat = None
         if group.is_coordinator:

@@ -14,6 +14,7 @@ import pickle
 from typing import Any
 
 from tfdist.checkpoint import _values
+from tfdist.checkpoint.stateful import stateful_values
 
 __all__ = ["AsyncStager", "BlockingAsyncStager", "stage_state_dict"]
 
@@ -39,9 +40,7 @@ def _stage_tree(value: Any, read: dict[int, Any]) -> Any:
 def stage_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
     """A snapshot of ``state_dict`` (Stateful objects read through ``state_dict()``) that later updates of
     the model do not change: every variable read once, chunks on accelerators copied to host memory."""
-    from tfdist.checkpoint import _coordination  # it imports FileSystemWriter, a stager itself
-
-    state = _coordination.stateful_values(state_dict)
+    state = stateful_values(state_dict)
     values = _values.read_variables(_leaves(state))
     return {k: _stage_tree(v, values) for k, v in state.items()}
 

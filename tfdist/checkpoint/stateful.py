@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["Stateful"]
+__all__ = ["Stateful", "stateful_values"]
 
 
 @runtime_checkable
@@ -27,3 +27,8 @@ class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+def stateful_values(state_dict: dict) -> dict:
+    """``state_dict`` with each Stateful value replaced by its ``state_dict()``."""
+    return {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state_dict.items()}

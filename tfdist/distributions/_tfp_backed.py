@@ -8,6 +8,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfdist.device_mesh import DeviceMesh
+from tfdist.distributions import constraints
 from tfdist.distributions.distribution import Distribution
 from tfdist.distributions.utils import as_shape
 from tfdist.tensor import _random
@@ -26,8 +27,6 @@ def tfd():
 
 
 def _on_integers(support) -> bool:
-    from tfdist.distributions import constraints
-
     return isinstance(support, (constraints._IntegerGreaterThan, constraints._IntegerInterval,
                                 constraints._Boolean)) or support is constraints.nonnegative_integer
 

@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.eager import context
 from tensorflow.experimental import dtensor
 
 from tfdist.device_mesh import DeviceMesh, resolve_mesh
@@ -129,7 +130,7 @@ def manual_seed(seed: int) -> None:
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
         raise TypeError(f"seed must be an int. Received: seed={seed!r}")
     tf.random.set_seed(int(seed))
-    _random_lib.reset_seed_states(traced_seed_start)
+    _random_lib.reset_seed_states(lambda: (int(seed), 0))
 
 
 def _random_seed() -> tuple[int, int]:
@@ -151,7 +152,7 @@ def _random_seed() -> tuple[int, int]:
 def traced_seed_start() -> tuple[int, int]:
     """Where a mesh's seed counter for draws inside ``tf.function`` starts: (global seed, 0) when one is
     set, so the same traced draws give the same values on every mesh; else a fresh pair."""
-    global_seed, _ = tf.compat.v1.random.get_seed(None)
+    global_seed = context.global_seed()  # read without drawing an op seed (get_seed would advance TF's count)
     return (int(global_seed), 0) if global_seed is not None else _random_seed()
 
 

@@ -132,7 +132,7 @@ def _run_custom(api: Callable, strategy_fn: Callable, args: tuple, kwargs: dict)
 def _run_locally(api: Callable, chosen, args: tuple, kwargs: dict, specs, mesh):
     """A strategy with a Partial output: TF DTensor would reduce inside the global op, so the op runs on
     each device's local shards instead (``local_map``), which leaves each device its partial result."""
-    from tfdist.tensor.experimental._local_map import local_map
+    from tfdist.tensor.experimental._local_map import local_map  # lazy: only Partial strategies need it
 
     if mesh.root_mesh != mesh:
         raise NotImplementedError(
