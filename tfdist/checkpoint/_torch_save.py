@@ -144,6 +144,19 @@ class DynamicMetaLoadPlanner(DefaultLoadPlanner):
         self.metadata = Metadata(entries, storage_meta=metadata.storage_meta if metadata else None)
 
 
+def _payload(flat: dict[str, Any], fqn: str, kind: LoadItemType) -> tuple[str, Any] | None:
+    """What the coordinator sends for one entry (None: the file lacks it): an object, or a tensor as numpy
+    (bfloat16, which numpy lacks, as float32: exact)."""
+    if fqn not in flat:
+        return None
+    value = flat[fqn]
+    if kind != LoadItemType.TENSOR:
+        return "object", value
+    if value.dtype == tf.bfloat16:
+        return "bfloat16", tf.cast(value, tf.float32).numpy()
+    return "tensor", value.numpy()
+
+
 class BroadcastingTorchSaveReader(StorageReader):
     """Reads a ``torch.save`` file for :func:`tfdist.checkpoint.load`: the coordinator client reads the
     file and sends each value to the others (through TF's coordination service), each client puts it
@@ -180,33 +193,25 @@ class BroadcastingTorchSaveReader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner):
         group = Group(no_dist=False)
-        flat = None
-        if group.is_coordinator:
-            torch = _torch("BroadcastingTorchSaveReader")
-            state = torch.load(os.fspath(self.checkpoint_id), weights_only=False, map_location="cpu")
-            flat, _ = flatten_state_dict(state)
-        for item in plan.items:
+        flat = self._read_file() if group.is_coordinator else None
+        for item in plan.items:  # every client issues the same items in the same order
             fqn = item.storage_index.fqn
-            if group.is_coordinator and fqn not in flat:
-                value: Any = KeyError(fqn)
-            elif group.is_coordinator:
-                value = flat[fqn]
-                if item.type == LoadItemType.TENSOR:
-                    value = _to_tf(value, torch)
-                    value = value.numpy() if value.dtype != tf.bfloat16 else ("bfloat16", tf.cast(value, tf.float32).numpy())
-            else:
-                value = None
-            value = group.broadcast(value)  # every client issues the same items in the same order
-            if isinstance(value, KeyError):
+            sent = group.broadcast(_payload(flat, fqn, item.type) if group.is_coordinator else None)
+            if sent is None:
                 raise KeyError(f"load: {self.checkpoint_id} has no entry {fqn!r}")
+            kind, value = sent
             if item.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(item, io.BytesIO(pickle.dumps(value)))
                 continue
-            if isinstance(value, tuple) and value and value[0] == "bfloat16":
-                value = tf.cast(value[1], tf.bfloat16)
+            tensor = tf.cast(value, tf.bfloat16) if kind == "bfloat16" else tf.convert_to_tensor(value)
             planner.resolve_tensor(item)
-            planner.commit_tensor(item, tf.convert_to_tensor(value))
+            planner.commit_tensor(item, tensor)
         return _done(None)
+
+    def _read_file(self) -> dict[str, Any]:
+        torch = _torch("BroadcastingTorchSaveReader")
+        state = torch.load(os.fspath(self.checkpoint_id), weights_only=False, map_location="cpu")
+        return {k: _to_tf(v, torch) for k, v in flatten_state_dict(state)[0].items()}
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
