@@ -83,6 +83,14 @@ OP_CASES = [
 ]
 
 # kinds a new user meets (issue: messages): each names the argument and its received value
+def _set_keras_distribution(value):
+    import keras
+
+    import tfdist.keras  # noqa: F401 - tfdist's Keras integration checks the value
+
+    keras.distribution.set_distribution(value)
+
+
 USER_CASES = [
     (lambda: MESH[0], TypeError, "received: 0"),
     (lambda: MESH[("dp", 1)], TypeError, "mesh dim names"),
@@ -101,6 +109,8 @@ USER_CASES = [
     (lambda: D.Normal(np.zeros(3), np.ones(3)).expand("big"), (TypeError, ValueError), "batch_shape"),
     (lambda: D.transforms.LowerCholeskyTransform()(np.zeros(3)), ValueError, "x of shape (3,)"),
     (lambda: D.transforms.LowerCholeskyTransform().inv(np.zeros(3)), ValueError, "y of shape (3,)"),
+    (lambda: _set_keras_distribution("bogus"), TypeError, "value='bogus' of type str"),
+    (lambda: tfdist.tensor.zeros(4, layout="sparse_coo", device_mesh=MESH), ValueError, "layout='sparse_coo'"),
 ]
 
 # (family, kwargs) whose parameters violate the family's constraint

@@ -61,6 +61,8 @@ _CORE = "keras.src.backend.tensorflow.core"
 _OPT = "keras.src.backend.tensorflow.optimizer"
 _FILL = "fills Keras' empty TF distribution_lib, which keras.distribution calls"
 _NOISE = "the noise layers draw a hash of (seed, global index): the same noise on every mesh"
+_SET = ("refuses a value that is not a keras.distribution.Distribution or None, naming it (bound in three "
+        "modules; Keras would store it and fail later inside a layer)")
 _READ = "reads after writes in one traced step see the written value (TF DTensor stale read on 2-D meshes)"
 
 PATCHES: tuple[Patch, ...] = (
@@ -76,6 +78,8 @@ PATCHES: tuple[Patch, ...] = (
           "every client's devices numbered globally (TF's logical devices repeat local numbers per client)"),
     Patch(_DL, None, "initialize", _ABSENT, "process",
           "keras.distribution.initialize on TF: joins tfdist's multi-client runtime"),
+    *(Patch(module, None, "set_distribution", ("value",), "process", _SET)
+      for module in ("keras.src.distribution.distribution_lib", "keras.src.distribution", "keras.distribution")),
     Patch(_CORE, "Variable", "_initialize", ("self", "value"), "process",
           "a variable with a layout is created as a dtensor.DVariable"),
     Patch(_CORE, "Variable", "_direct_assign", ("self", "value"), "process", _READ),

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import tensorflow as tf
+from keras.src.distribution import distribution_lib
 from tensorflow.experimental import dtensor
 
 from tfdist import _patches, _runtime
@@ -195,3 +196,15 @@ def install() -> None:
     _patches.install(lib + "get_device_count", _get_device_count)
     _patches.install(lib + "initialize", initialize)
     _patches.install(lib + "list_devices", _list_devices)
+    for module in ("keras.src.distribution.distribution_lib", "keras.src.distribution", "keras.distribution"):
+        _patches.install(module + ":set_distribution", _checked_set_distribution)
+
+
+def _checked_set_distribution(value: Any) -> None:
+    """Keras' ``set_distribution`` refusing, at the call, what is not a distribution (Keras stores any
+    value, and a layer fails on it later: "'str' object has no attribute 'get_variable_layout'")."""
+    if value is not None and not isinstance(value, distribution_lib.Distribution):
+        raise TypeError("keras.distribution.set_distribution expects a keras.distribution.Distribution (e.g. "
+                        f"DataParallel, ModelParallel) or None. Received: value={value!r} of type "
+                        f"{type(value).__name__}")
+    _patches.original("keras.src.distribution.distribution_lib:set_distribution")(value)
