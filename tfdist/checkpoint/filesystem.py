@@ -133,6 +133,7 @@ class FileSystemWriter(_Directory, StorageWriter, BlockingAsyncStager):
         self.thread_count = thread_count
         self.per_thread_copy_ahead = per_thread_copy_ahead
         BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
+        self._bundle_writer = _tf_io.write_bundle  # async_save(PROCESS) hands it to the writer process
         self.overwrite = overwrite
         self.is_coordinator = False
 
@@ -210,7 +211,7 @@ class FileSystemWriter(_Directory, StorageWriter, BlockingAsyncStager):
             names.append(item.index.fqn)
             slices.append(_tf_io.slice_spec(td.size, td.chunk.offsets, td.chunk.sizes))
             values.append(tf.cast(value, td.properties.dtype) if value.dtype.name != td.properties.dtype else value)
-        _tf_io.write_bundle(prefix, names, slices, values)
+        self._bundle_writer(prefix, names, slices, values)
         if self.sync_files:
             for f in pathlib.Path(prefix).parent.glob(pathlib.Path(prefix).name + ".*"):
                 _fsync(f)

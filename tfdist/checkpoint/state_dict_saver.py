@@ -8,7 +8,8 @@ import threading
 from concurrent.futures import Future
 from typing import Any
 
-from tfdist.checkpoint import _coordination, _dist
+from tfdist.checkpoint import _coordination, _dist, _tf_io, _writer_process
+from tfdist.checkpoint.filesystem import FileSystemWriter
 from tfdist.checkpoint.default_planner import DefaultSavePlanner
 from tfdist.checkpoint.metadata import Metadata
 from tfdist.checkpoint.planner import SavePlanner
@@ -56,6 +57,10 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike |
                async_stager: AsyncStager | None = None) -> Future:
     """Like :func:`save`, but returns once the state is staged; the writing runs in a thread.
 
+    ``async_checkpointer_type=PROCESS`` also hands the tensor bundles to a persistent writer process
+    (started with the first such save), so serialising them costs the training process nothing; the
+    exchanges between clients and the commit stay in the thread.
+
     Staging snapshots every value (chunks on GPU/TPU are copied to host
     memory), so training may update the model while the checkpoint is
     written.  The stager is ``async_stager``, else the storage writer when it
@@ -74,14 +79,15 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike |
         future.result()   # Metadata; raises if the save failed
     """
     _coordination.check_arguments("async_save", state_dict, process_group)
-    if async_checkpointer_type != AsyncCheckpointerType.THREAD:
-        raise ValueError(
-            "async_save: tfdist writes in a thread of the training process (TF tensors cannot be handed to "
-            "another process without a copy through numpy). Received: "
-            f"async_checkpointer_type={async_checkpointer_type!r}; use AsyncCheckpointerType.THREAD."
-        )
+    if not isinstance(async_checkpointer_type, AsyncCheckpointerType):
+        raise ValueError("async_save: async_checkpointer_type must be AsyncCheckpointerType.THREAD or .PROCESS. "
+                         f"Received: async_checkpointer_type={async_checkpointer_type!r}")
     writer = _coordination.storage("async_save", storage_writer, checkpoint_id, StorageWriter,
                                    _coordination.DEFAULT_WRITER)
+    in_process = async_checkpointer_type == AsyncCheckpointerType.PROCESS
+    if in_process and not isinstance(writer, FileSystemWriter):
+        raise ValueError("async_save(async_checkpointer_type=PROCESS) writes with tfdist's FileSystemWriter (its "
+                         f"bundles go to the writer process). Received: storage_writer={writer!r}")
     planner = planner if planner is not None else DefaultSavePlanner()
     group = _dist.Group(no_dist=False)
     if async_stager is not None and not isinstance(async_stager, AsyncStager):
@@ -94,9 +100,14 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike |
 
     def run() -> None:
         try:
+            if in_process:  # this save's bundles are written by the persistent writer process
+                writer._bundle_writer = _writer_process.write_bundle
             future.set_result(_coordination.write_and_commit(plan, metadata, writer, planner, group))
         except BaseException as e:  # noqa: BLE001 - delivered through the future
             future.set_exception(e)
+        finally:
+            if in_process:
+                writer._bundle_writer = _tf_io.write_bundle
 
     threading.Thread(target=run, name="tfdist-async-save", daemon=False).start()
     if stager.should_synchronize_after_execute:
