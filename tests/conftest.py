@@ -47,6 +47,7 @@ def _slow_ids() -> set[str]:
 _MULTI_PROCESS_FILES = {"tests/test_multiclient.py", "tests/checkpoint/test_kill.py"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the xdist_group marks added here
 def pytest_collection_modifyitems(config, items):
     """Marks the tests tests/slow_suite.txt lists as slow (run by ``pytest -m slow``); an id that
     names no test of a collected file is an error, so the list follows renames."""
