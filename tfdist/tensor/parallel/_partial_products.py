@@ -41,7 +41,7 @@ from tfdist.tensor._layout import physical_layout
 from tfdist.tensor._redistribute import reduce_scatter_move, relayout
 from tfdist.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-__all__ = ["gathered_product", "partial_einsum", "partial_lookup", "resolve_partial"]
+__all__ = ["add_bias_once", "gathered_product", "partial_einsum", "partial_lookup", "resolve_partial"]
 
 
 def _tp_dim(ctx) -> int:
@@ -156,6 +156,18 @@ def resolve_partial(ctx, stacked: tf.Tensor, placements: Sequence[Placement]) ->
     specs = list(_stacked_layout(ctx, rank).sharding_specs)
     moved, _ = reduce_scatter_move(stacked, specs, 0, d + 1, ctx.root.to_tf())
     return dtensor.relayout(tf.reduce_sum(moved, axis=0), target)
+
+
+def add_bias_once(ctx, stacked: tf.Tensor, bias: Any) -> tf.Tensor:
+    """``stacked`` (a Partial ``[T, *shape]``) plus ``bias`` counted once in the sum: added to
+    device 0's partial only, so the reduced value is ``product + bias`` exactly."""
+    if bias is None:
+        return stacked
+    parts, rank = stacked.shape[0], stacked.shape.rank - 1
+    tp = ctx.root.axis_names[_tp_dim(ctx)]
+    first = tf.reshape(tf.one_hot(0, parts, dtype=stacked.dtype), [parts] + [1] * rank)
+    first = dtensor.relayout(first, dtensor.Layout([tp] + [dtensor.UNSHARDED] * rank, ctx.root.to_tf()))
+    return dtensor.relayout(stacked + first * reads_as(bias, stacked.dtype), _stacked_layout(ctx, rank))
 
 
 def _all_reduce(stacked: tf.Tensor, target: dtensor.Layout, stacked_layout: dtensor.Layout) -> tf.Tensor:

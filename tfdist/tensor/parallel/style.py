@@ -133,20 +133,19 @@ class _Context:
         """
         if placements is None or x is None or self.modules.is_symbolic(x):
             return x
+        if _has_partial(arrives_as):
+            # A TF tensor is its global value (as a DTensor is in torch, whose actual placements
+            # win over input_layouts); only a tfdist DTensor holds per-device partial sums.
+            arrives_as = None
+        if isinstance(x, DTensor) and (x._spec.partial_mesh_dims or _has_partial(placements)):
+            return self._redistribute(x, placements, use_local_output)
         x = as_tf(x)
         if not isinstance(x, tf.Tensor):
             return x
         x = on_mesh(x, self.root.to_tf())
         rank = x.shape.rank
         root = self.root_placements(placements, rank)
-        for m, p in enumerate(root):
-            if isinstance(p, Shard) and x.shape[p.dim] is not None and x.shape[p.dim] % self.root.shape[m]:
-                raise ValueError(
-                    f"layer {self.fqn!r}: dim {p.dim} of an activation of shape "
-                    f"{tuple(x.shape)} is not divisible by mesh dim "
-                    f"{self.root.axis_names[m]!r} ({self.root.shape[m]}); choose sizes "
-                    "divisible by the tensor-parallel degree."
-                )
+        self._check_divisible(x.shape, root)
         layout = physical_layout(self.root, root, rank)
         if arrives_as is None or not x.dtype.is_floating:
             y = dtensor.relayout(x, layout)
@@ -156,6 +155,43 @@ class _Context:
             return y
         spec = DTensorSpec(self.root, root, tuple(y.shape.as_list()))
         return DTensor._wrap(y, spec)
+
+    def _check_divisible(self, shape: tf.TensorShape, root: Sequence[Placement]) -> None:
+        for m, p in enumerate(root):
+            if isinstance(p, Shard) and shape[p.dim] is not None and shape[p.dim] % self.root.shape[m]:
+                raise ValueError(
+                    f"layer {self.fqn!r}: dim {p.dim} of an activation of shape "
+                    f"{tuple(shape)} is not divisible by mesh dim "
+                    f"{self.root.axis_names[m]!r} ({self.root.shape[m]}); choose sizes "
+                    "divisible by the tensor-parallel degree."
+                )
+
+    def _redistribute(self, x: DTensor, placements: Sequence[Placement], use_local_output: bool) -> Any:
+        """A tfdist DTensor moved with torch's collectives: a Partial arriving is reduced straight
+        into the layout the style wants (a reduce-scatter onto a shard, else an all-reduce) --
+        never all-reduced first and sliced after, which ``to_tf`` would do."""
+        rank = len(x.shape)
+        root = self.root_placements(placements, rank)
+        self._check_divisible(tf.TensorShape(x.shape), root)
+        y = x.redistribute(self.root, root)
+        if not use_local_output:
+            return y
+        if y._spec.partial_mesh_dims:
+            raise ValueError(_PARTIAL_LOCAL_OUTPUT.format(where=f"layer {self.fqn!r}"))
+        return y.to_tf()
+
+
+_PARTIAL_LOCAL_OUTPUT = (
+    "{where}: a Partial output needs use_local_output=False. torch's local tensor of a Partial is "
+    "each rank's partial sum; a TF tensor holds one global value, which for a Partial exists only "
+    "after the reduction. With use_local_output=False the next layer gets a tfdist DTensor whose "
+    "per-device parts are the partial sums: a styled layer reduces it straight into its input "
+    "layout (e.g. a reduce-scatter), any other op reads its sum."
+)
+
+
+def _has_partial(placements: Sequence[Placement] | None) -> bool:
+    return any(isinstance(p, Partial) for p in placements or ())
 
 
 def _relayout_with_gradient(x: tf.Tensor, layout: dtensor.Layout, grad_layout: dtensor.Layout) -> tf.Tensor:
@@ -183,14 +219,6 @@ def _as_placements(layouts: Placement | Sequence[Placement] | None, default: Pla
         "layouts must be a Placement (Shard(d), Replicate()) or a sequence of them, one per "
         f"mesh dim of the tensor-parallel mesh. Received: {layouts!r}"
     )
-
-
-def _check_no_partial(name: str, placements: tuple[Placement, ...]) -> None:
-    if any(isinstance(p, Partial) for p in placements):
-        raise ValueError(
-            f"{name} cannot be Partial for a Keras layer: TF DTensor resolves partial sums "
-            f"inside the op. Received: {placements!r}"
-        )
 
 
 class ParallelStyle:
@@ -264,8 +292,12 @@ class ColwiseParallel(ParallelStyle):
         self.desired_input_layouts = (Replicate(),)
         self.output_layouts = None if output_layouts is None else _as_placements(output_layouts, Shard(-1))
         self.use_local_output = use_local_output
-        _check_no_partial("input_layouts", self.input_layouts)
-        _check_no_partial("output_layouts", self.output_layouts or ())
+        if _has_partial(self.output_layouts):
+            raise ValueError(
+                "ColwiseParallel(output_layouts=...) cannot be Partial: the column-parallel output is "
+                "a Shard of the features, and a Shard cannot become a Partial (torch's redistribute "
+                f"refuses it too). Received: {self.output_layouts!r}"
+            )
 
     def _plan(self, layer: Any, ctx: _Context) -> tuple[dict[str, list], tuple[Placement, ...]]:
         kind = ctx.modules.layer_kind(layer)
@@ -357,7 +389,16 @@ class RowwiseParallel(ParallelStyle):
     contracted dim.  The output is ``output_layouts``: ``Replicate()`` (the
     default; one all-reduce) or a shard such as ``Shard(1)`` (torch's
     sequence parallelism): the local products are a Partial that is
-    reduce-scattered onto that dim -- no all-reduce.
+    reduce-scattered onto that dim -- no all-reduce.  ``Partial()`` with
+    ``use_local_output=False`` returns the unreduced products as a tfdist
+    DTensor; the layer that consumes it reduces it into its own input layout.
+
+    Example::
+
+        parallelize_module(model, mesh["tp"], {
+            "down": RowwiseParallel(output_layouts=Partial(), use_local_output=False),
+            "norm": SequenceParallel(),  # the Partial is reduce-scattered onto the sequence here
+        })
     """
 
     def __init__(self, *, input_layouts=None, output_layouts=None, use_local_output: bool = True) -> None:
@@ -369,8 +410,14 @@ class RowwiseParallel(ParallelStyle):
         self._declared_input = input_layouts is not None
         self.output_layouts = _as_placements(output_layouts, Replicate())
         self.use_local_output = use_local_output
-        _check_no_partial("input_layouts", self.input_layouts)
-        _check_no_partial("output_layouts", self.output_layouts)
+        partial = [p for p in self.output_layouts if isinstance(p, Partial)]
+        if partial and partial[0].reduce_op != "sum":
+            raise ValueError(
+                "RowwiseParallel(output_layouts=Partial(...)): the row-parallel product is a "
+                f"Partial('sum'); received {self.output_layouts!r}."
+            )
+        if partial and use_local_output:
+            raise ValueError(_PARTIAL_LOCAL_OUTPUT.format(where="RowwiseParallel(output_layouts=Partial())"))
 
     def _plan(self, layer: Any, ctx: _Context) -> tuple[dict[str, list], tuple[Placement, ...]]:
         kind = ctx.modules.layer_kind(layer)
@@ -393,6 +440,13 @@ class RowwiseParallel(ParallelStyle):
     def _validate(self, layer: Any, ctx: _Context) -> None:
         super()._validate(layer, ctx)
         extended_by = ctx.modules.layer_kind(layer).extended_by
+        kind = ctx.modules.layer_kind(layer)
+        if _has_partial(self.output_layouts) and getattr(kind.activation, "__name__", "linear") != "linear":
+            raise ValueError(
+                f"RowwiseParallel(output_layouts=Partial()) on layer {ctx.fqn!r}: the layer applies the "
+                f"activation {kind.activation.__name__!r} to its output, which is not defined on "
+                "partial sums; use output_layouts=Replicate() or a Shard, or a linear layer."
+            )
         if self._reduces_explicitly(layer, ctx) and extended_by:
             raise ValueError(
                 f"RowwiseParallel(output_layouts={self.output_layouts!r}) on layer {ctx.fqn!r}: "
@@ -403,7 +457,7 @@ class RowwiseParallel(ParallelStyle):
     def _reduces_explicitly(self, layer: Any, ctx: _Context) -> bool:
         """Computed as a Partial and reduced by tfdist (else TF's in-op all-reduce)."""
         kind = ctx.modules.layer_kind(layer).kind
-        return kind == "embedding" or any(isinstance(p, Shard) for p in self.output_layouts)
+        return kind == "embedding" or any(isinstance(p, (Shard, Partial)) for p in self.output_layouts)
 
     def _apply(self, layer: Any, ctx: _Context) -> Any:
         weights, in_layouts = self._plan(layer, ctx)
@@ -434,8 +488,11 @@ class RowwiseParallel(ParallelStyle):
                 return original(inputs, *args, **kwargs)
             if kind.kind == "embedding":
                 table = ctx.modules.weights(layer)["embeddings"]
-                stacked = _partial_products.partial_lookup(ctx, x, tf.convert_to_tensor(table))
-                return tf.cast(_partial_products.resolve_partial(ctx, stacked, out_layouts), kind.compute_dtype)
+                stacked = tf.cast(_partial_products.partial_lookup(ctx, x, tf.convert_to_tensor(table)),
+                                  kind.compute_dtype)
+                if _has_partial(out_layouts):
+                    return _as_partial_dtensor(ctx, stacked)
+                return _partial_products.resolve_partial(ctx, stacked, out_layouts)
             kernel = _partial_products.reads_as(ctx.modules.weights(layer)["kernel"], x.dtype)
             rank = x.shape.rank
             letter = _contracted_letters(kind)[0] if kind.kind == "einsum" else "k"
@@ -443,10 +500,21 @@ class RowwiseParallel(ParallelStyle):
             k_specs = ctx.weight_layout(weights["kernel"])(kernel.shape.rank).sharding_specs
             stacked = _partial_products.partial_einsum(
                 ctx, kind.equation_for(rank), x, kernel, letter, x_specs, k_specs)
+            if _has_partial(out_layouts):
+                return _as_partial_dtensor(ctx, _partial_products.add_bias_once(
+                    ctx, stacked, ctx.modules.weights(layer).get("bias")))
             y = _partial_products.resolve_partial(ctx, stacked, out_layouts)
             return _bias_and_activation(ctx, layer, kind, y)
 
         ctx.modules.replace_call(layer, call)
+
+
+def _as_partial_dtensor(ctx: _Context, stacked: tf.Tensor) -> DTensor:
+    """The stacked ``[T, *shape]`` partial products as the tfdist DTensor they are physically:
+    ``Partial("sum")`` on the tensor-parallel mesh dim (no collective)."""
+    rank = stacked.shape.rank - 1
+    root = ctx.root_placements([Partial("sum")], rank)
+    return DTensor._wrap(stacked, DTensorSpec(ctx.root, root, tuple(stacked.shape.as_list()[1:])))
 
 
 class SequenceParallel(ParallelStyle):
