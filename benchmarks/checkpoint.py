@@ -13,7 +13,13 @@ the saved values:
 * ``tfdist load (resharded)``: into an 8 x 1 mesh with (Shard(1),), a
   different mesh and different chunks (TF cannot restore onto another mesh);
 * ``tfdist async_save (blocking)``: the time ``async_save`` holds the
-  training loop (staging + planning), against ``save``.
+  training loop (staging + planning), against ``save``; the same for
+  ``async_checkpointer_type=PROCESS`` (a persistent writer process writes
+  the tensor bundles);
+* ``train step during ... async_save``: the mean time of a training-like
+  step (a jitted 2x4-mesh matmul chain plus a little Python) run in a loop
+  while each kind of save is in flight, against the same step with no save
+  running -- what the background writing costs the training loop.
 
     python benchmarks/checkpoint.py        # writes benchmarks/results/checkpoint.json
 """
@@ -39,6 +45,7 @@ import tensorflow as tf  # noqa: E402
 from tensorflow.experimental import dtensor  # noqa: E402
 
 import tfdist.checkpoint as dcp  # noqa: E402
+from tfdist.checkpoint.state_dict_saver import AsyncCheckpointerType  # noqa: E402
 from _common import print_table, write_results  # noqa: E402
 from tfdist.tensor import Replicate, Shard, distribute_tensor  # noqa: E402
 
@@ -79,6 +86,44 @@ def timed(fn):
     return time.perf_counter() - start
 
 
+def make_step(mesh):
+    """A training-like step: a chain of sharded matmuls (TF's kernels) plus Python bookkeeping."""
+    a = distribute_tensor(values(99, (512, 512)), mesh, [Shard(0), Replicate()]).to_tf()
+    w = distribute_tensor(values(98, (512, 512)), mesh, [Replicate(), Replicate()]).to_tf()
+
+    @tf.function
+    def matmuls(x, w):
+        for _ in range(4):
+            x = tf.tanh(tf.matmul(x, w) * 0.01)
+        return tf.reduce_sum(x)
+
+    def step():
+        total = float(matmuls(a, w))  # waits for the step: the time is the step's, not its dispatch
+        log = {f"metric{i}": i * 0.5 for i in range(2000)}  # the Python side of a step (callbacks, logs)
+        return total, len(log)
+
+    return step
+
+
+def step_time_while(step, future=None, min_steps=5) -> float:
+    """Mean step time, stepping until ``future`` is done (at least ``min_steps`` steps)."""
+    n, start = 0, time.perf_counter()
+    while n < min_steps or (future is not None and not future.done()):
+        step()
+        n += 1
+    return (time.perf_counter() - start) / n
+
+
+def timed_async(source, path, kind, step):
+    """(blocking s, total s, mean step s while writing) of one async_save of ``kind``."""
+    start = time.perf_counter()
+    future = dcp.async_save(dict(source), checkpoint_id=path, async_checkpointer_type=kind)
+    blocking = time.perf_counter() - start
+    during = step_time_while(step, future, min_steps=1)
+    future.result()
+    return blocking, time.perf_counter() - start, during
+
+
 def main() -> None:
     mesh = tfdist.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
     flat = tfdist.init_device_mesh("cpu", (8,), mesh_dim_names=("x",))
@@ -93,7 +138,10 @@ def main() -> None:
     tf_target = tf.train.Checkpoint(**same)
     samples: dict[str, list[float]] = {k: [] for k in [
         "tfdist save", "tf.train.Checkpoint write", "tfdist load (same mesh)", "tf.train.Checkpoint read",
-        "tfdist load (resharded)", "tfdist async_save (blocking)", "tfdist async_save (total)"]}
+        "tfdist load (resharded)", "tfdist async_save (blocking)", "tfdist async_save (total)",
+        "tfdist async_save PROCESS (blocking)", "tfdist async_save PROCESS (total)",
+        "train step, no save", "train step during THREAD async_save", "train step during PROCESS async_save"]}
+    step = make_step(mesh)
     for r in range(ROUNDS + 1):  # round 0 warms up (traces, first file creation)
         t = {"tfdist save": timed(lambda: dcp.save(dict(source), checkpoint_id=ours)),
              "tf.train.Checkpoint write": timed(lambda: tf_ckpt.write(theirs))}
@@ -106,23 +154,37 @@ def main() -> None:
         clear(resharded)
         t["tfdist load (resharded)"] = timed(lambda: dcp.load(dict(resharded), checkpoint_id=ours))
         check(resharded, want)
-        start = time.perf_counter()
-        future = dcp.async_save(dict(source), checkpoint_id=ours)
-        t["tfdist async_save (blocking)"] = time.perf_counter() - start
-        future.result()
-        t["tfdist async_save (total)"] = time.perf_counter() - start
+        t["train step, no save"] = step_time_while(step)
+        (t["tfdist async_save (blocking)"], t["tfdist async_save (total)"],
+         t["train step during THREAD async_save"]) = timed_async(source, ours, AsyncCheckpointerType.THREAD, step)
+        clear(same)
+        dcp.load(dict(same), checkpoint_id=ours)
+        check(same, want)
+        (t["tfdist async_save PROCESS (blocking)"], t["tfdist async_save PROCESS (total)"],
+         t["train step during PROCESS async_save"]) = timed_async(source, ours, AsyncCheckpointerType.PROCESS, step)
+        clear(same)
+        dcp.load(dict(same), checkpoint_id=ours)
+        check(same, want)
         if r:
             for k, v in t.items():
                 samples[k].append(v)
     shutil.rmtree(root, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in samples.items()}
-    rows = [{"program": k, "median_s": round(v, 4), "MB/s": round(megabytes / v, 1)} for k, v in med.items()]
+    rows = [{"program": k, "median_s": round(v, 4),
+             "MB/s": "" if k.startswith("train step") else round(megabytes / v, 1)} for k, v in med.items()]
     ratios = {
         "save: tfdist / tf.train.Checkpoint (time)": med["tfdist save"] / med["tf.train.Checkpoint write"],
         "load: tfdist / tf.train.Checkpoint (time)": med["tfdist load (same mesh)"] / med["tf.train.Checkpoint read"],
         "resharded load / same-mesh load (target <= 1.2)":
             med["tfdist load (resharded)"] / med["tfdist load (same mesh)"],
         "async_save blocking / save (target < 0.10)": med["tfdist async_save (blocking)"] / med["tfdist save"],
+        "async_save PROCESS blocking / save": med["tfdist async_save PROCESS (blocking)"] / med["tfdist save"],
+        "async_save total: PROCESS / THREAD": med["tfdist async_save PROCESS (total)"]
+        / med["tfdist async_save (total)"],
+        "train step during THREAD save / no save": med["train step during THREAD async_save"]
+        / med["train step, no save"],
+        "train step during PROCESS save / no save": med["train step during PROCESS async_save"]
+        / med["train step, no save"],
     }
     print(f"state: {megabytes:.1f} MB, {ROUNDS} rounds, median")
     print_table(rows, ["program", "median_s", "MB/s"])
