@@ -7,6 +7,7 @@ FSDP1 API on top of it.
 """
 
 from tfdist.fsdp._fsdp1 import FullyShardedDataParallel
+from tfdist.fsdp._optim_state import OptimStateKeyType
 from tfdist.fsdp._fully_shard import (
     FSDPModule, FSDPStyle, UnshardHandle, fully_shard, register_fsdp_forward_method,
 )
@@ -52,4 +53,5 @@ __all__ = [
     "ShardedOptimStateDictConfig",
     "LocalOptimStateDictConfig",
     "StateDictSettings",
+    "OptimStateKeyType",
 ]

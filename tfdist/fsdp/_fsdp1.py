@@ -22,7 +22,7 @@ from tfdist import _registry
 from tfdist.device_mesh import DeviceMesh
 from tfdist.fsdp._fully_shard import _REPLICATE, FSDPModule, fsdp_class, fully_shard
 from tfdist.fsdp._policies import MixedPrecisionPolicy
-from tfdist.fsdp import _state_dict
+from tfdist.fsdp import _optim_state, _state_dict
 from tfdist.fsdp._state_dict import StateDictSettings, StateDictType
 from tfdist.tensor._modules import module_backend
 
@@ -334,6 +334,14 @@ class FullyShardedDataParallel(metaclass=_FSDP1Meta):
             for slot, variable in per_slot.items():
                 _state_dict.import_value(variable, given[name][slot], settings, f"{name}/{slot}")
         return optim_state_dict
+
+    # FSDP1's optimizer-state family (tfdist/fsdp/_optim_state.py)
+    full_optim_state_dict = staticmethod(_optim_state.full_optim_state_dict)
+    sharded_optim_state_dict = staticmethod(_optim_state.sharded_optim_state_dict)
+    shard_full_optim_state_dict = staticmethod(_optim_state.shard_full_optim_state_dict)
+    scatter_full_optim_state_dict = staticmethod(_optim_state.scatter_full_optim_state_dict)
+    flatten_sharded_optim_state_dict = staticmethod(_optim_state.flatten_sharded_optim_state_dict)
+    rekey_optim_state_dict = staticmethod(_optim_state.rekey_optim_state_dict)
 
     @staticmethod
     @contextlib.contextmanager

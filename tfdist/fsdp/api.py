@@ -9,6 +9,7 @@ Example::
 """
 
 from tfdist.fsdp._fsdp1 import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from tfdist.fsdp._optim_state import OptimStateKeyType
 from tfdist.fsdp._state_dict import (
     FullOptimStateDictConfig,
     FullStateDictConfig,
@@ -26,4 +27,5 @@ __all__ = [
     "BackwardPrefetch", "CPUOffload", "MixedPrecision", "ShardingStrategy", "StateDictType", "StateDictConfig",
     "FullStateDictConfig", "LocalStateDictConfig", "ShardedStateDictConfig", "OptimStateDictConfig",
     "FullOptimStateDictConfig", "LocalOptimStateDictConfig", "ShardedOptimStateDictConfig", "StateDictSettings",
+    "OptimStateKeyType",
 ]
