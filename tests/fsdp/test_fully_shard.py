@@ -343,6 +343,19 @@ def test_hsdp_limitation_reproduces():
     assert out.stdout.count("refused") == 2
 
 
+def test_parted_layouts_hold_per_device_values():
+    """The route found for local SGD and HSDP's replicas (issue notes, docs/design.md): TF DTensor's
+    parted layouts keep per-device values, local gradients, and average them with one all-reduce."""
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).parents[2] / "docs" / "tf_dtensor_repros" / "parted_layout_per_device_values.py"
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr[-2000:]
+    assert out.stdout.count(": yes") == 3
+
+
 def test_embedding_gradient_is_reduce_scattered():
     """Embedding -> Dense: the table's gradient is each device's one-hot product, reduce-scattered
     (an all-to-all), not TF's all-reduce of the whole table; values equal one device."""
