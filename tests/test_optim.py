@@ -100,3 +100,70 @@ def test_post_local_sgd_is_refused_with_the_reason():
     mesh = dtensor.create_mesh([("dp", 8)], device_type="CPU")
     copies = dtensor.pack([tf.constant([float(i)]) for i in range(8)], dtensor.Layout.replicated(mesh, 1))
     assert float(tf.reduce_sum(copies).numpy()) == 0.0  # not 28: TF computes with one copy
+
+
+def numpy_adam(params, grads_per_step, lr, t0=0, state=None, b1=0.9, b2=0.999, eps=1e-7):
+    """Keras' Adam in numpy (global step count for the bias correction, Keras' epsilon placement;
+    Keras' bias correction reads the betas in float32, its moments the exact betas)."""
+    b1_32, b2_32 = (float(np.float32(a)) for a in (b1, b2))
+    state = state if state is not None else {}
+    for k, grads in enumerate(grads_per_step):
+        t = t0 + k + 1
+        for name, g in grads.items():
+            m, v = state.get(name, (np.zeros_like(g), np.zeros_like(g)))
+            m = m + (g - m) * (1 - b1)
+            v = v + (g * g - v) * (1 - b2)
+            alpha = lr * np.sqrt(1 - b2_32 ** t) / (1 - b1_32 ** t)
+            params[name] = params[name] - alpha * m / (np.sqrt(v) + eps)
+            state[name] = (m, v)
+    return params, state
+
+
+def mlp_grads(params, x, y, names):
+    """Gradients of the MSE of make_mlp's forward w.r.t. ``names`` (by hand)."""
+    h_pre = x @ params["up/kernel"] + params["up/bias"]
+    h = np.maximum(h_pre, 0)
+    out = h @ params["down/kernel"] + params["down/bias"]
+    dout = 2 * (out - y) / out.size
+    dh = (dout @ params["down/kernel"].T) * (h_pre > 0)
+    all_grads = {"down/kernel": h.T @ dout, "down/bias": dout.sum(0), "up/kernel": x.T @ dh, "up/bias": dh.sum(0)}
+    return {n: all_grads[n] for n in names}
+
+
+def test_add_param_group_takes_unfrozen_layers_with_their_state_sharded(float64):
+    """Fine-tuning as torch's add_param_group is meant for: train 'down' with 'up' frozen, unfreeze
+    'up' and add it; 'up' starts with fresh state, 'down' keeps its own.  Reference: numpy Adam on
+    hand-derived gradients (Keras' global step count for the bias correction)."""
+    data_parallel()
+    model = make_mlp()
+    params = {f"{v.path.split('/')[-2]}/{v.path.split('/')[-1]}": v.numpy() for v in model.trainable_variables}
+    model.layers[0].trainable = False
+    opt = ZeroRedundancyOptimizer(None, keras.optimizers.Adam, learning_rate=1e-2)
+    model.compile(optimizer=opt, loss="mse")
+    x, y = X[:16], Y[:16]
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+    down = ["down/kernel", "down/bias"]
+    ref, state = params, None
+    for _ in range(2):
+        ref, state = numpy_adam(ref, [mlp_grads(ref, x, y, down)], 1e-2, t0=0 if state is None else 1, state=state)
+    for v in model.layers[1].trainable_variables:
+        name = "/".join(v.path.split("/")[-2:])
+        np.testing.assert_allclose(v.numpy(), ref[name], atol=1e-10, err_msg=name)
+    with pytest.raises(ValueError, match="learning_rate"):
+        opt.add_param_group({"params": model.layers[0].weights, "lr": 0.5})
+    model.layers[0].trainable = True
+    opt.add_param_group({"params": model.layers[0].trainable_variables, "lr": 1e-2})
+    slots = [v for v in opt.variables if len(v.shape)]
+    assert len(slots) == 8 and len({v.path for v in opt.variables}) == len(opt.variables)
+    for slot in slots:  # the new slots are sharded too
+        assert local_numel(slot) * 8 == int(np.prod(slot.shape)), slot.path
+    model.compile(optimizer=opt, loss="mse")
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+    every = ["up/kernel", "up/bias"] + down
+    for t0 in (2, 3):
+        ref, state = numpy_adam(ref, [mlp_grads(ref, x, y, every)], 1e-2, t0=t0, state=state)
+    for v in model.trainable_variables:
+        name = "/".join(v.path.split("/")[-2:])
+        np.testing.assert_allclose(v.numpy(), ref[name], atol=1e-10, err_msg=name)
+    with pytest.raises(ValueError, match="params"):
+        opt.add_param_group([model.layers[0].kernel])

@@ -67,6 +67,86 @@ class _ZeroMethods:
             variable.assign(state_dict[path])
 
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Adds variables to the optimizer (torch: a new param group), e.g. layers unfrozen while
+        fine-tuning; their state is created sharded like the rest, the existing state is kept.
+
+        A Keras optimizer has one value of each hyper-parameter for all its variables, so a
+        group may repeat the optimizer's values but not set others.  Recompile the model after
+        changing ``trainable`` (Keras traces its step with the trainable variables of the time).
+
+        Example::
+
+            model.layers[0].trainable = True
+            opt.add_param_group({"params": model.layers[0].trainable_variables})
+            model.compile(optimizer=opt, loss="mse")
+        """
+        new = _checked_group(self, param_group)
+        if not getattr(self, "built", False):
+            raise ValueError("add_param_group: the optimizer is not built yet; it takes its variables at its first "
+                             "step (or optim.build(variables)), so pass these there.")
+        known = {self._var_key(v) for v in self._trainable_variables}
+        new = [v for v in new if self._var_key(v) not in known]
+        if not new:
+            return
+        old_slots = {v.path: v for v in self._variables}
+        variables = list(self._trainable_variables) + new
+        self.built = False
+        self._trainable_variables_indices = {}
+        with _scope_of(variables):
+            self.build(variables)
+        kept, made = [], []
+        for v in self._variables:
+            previous = old_slots.get(v.path)
+            if previous is not None and previous is not v:  # rebuilt: carry the state over
+                v.assign(previous.value)
+                made.append(previous)
+            kept.append(v)
+        stale = {id(v) for v in made}
+        self._variables = [v for v in kept if id(v) not in stale]
+
+
+def _checked_group(optimizer: Any, param_group: Any) -> list[Any]:
+    """The group's variables; hyper-parameters other than the optimizer's own values are refused."""
+    if not isinstance(param_group, dict) or "params" not in param_group:
+        raise ValueError("add_param_group(param_group) takes a dict with 'params' (a list of variables). "
+                         f"Received: {param_group!r}")
+    params = param_group["params"]
+    params = [params] if hasattr(params, "assign") else list(params)
+    bad = [p for p in params if not hasattr(p, "assign")]
+    if bad:
+        raise ValueError(f"add_param_group: 'params' must hold Keras variables. Received: {bad[0]!r}")
+    config = optimizer.get_config()
+    for key, value in param_group.items():
+        if key == "params":
+            continue
+        name = "learning_rate" if key == "lr" else key
+        if name not in config:
+            raise ValueError(f"add_param_group: {type(optimizer).__name__} has no hyper-parameter {key!r}.")
+        if not _same(config[name], value):
+            raise ValueError(
+                f"add_param_group: a Keras optimizer has one {name!r} for all its variables "
+                f"({config[name]!r}); a group cannot set its own ({key}={value!r}).")
+    return params
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(np.isclose(float(a), float(b)))
+    except (TypeError, ValueError):
+        return a == b
+
+
+def _scope_of(variables: list[Any]):
+    """The distribution the model's variables were made under (slots take their layouts)."""
+    import contextlib
+
+    import keras
+
+    distribution = keras.distribution.distribution()
+    return distribution.scope() if distribution is not None else contextlib.nullcontext()
+
+
 class ZeroRedundancyOptimizer:
     """A Keras optimizer of ``optimizer_class`` whose state is sharded over data parallel.
 
@@ -119,6 +199,7 @@ class ZeroRedundancyOptimizer:
     consolidate_state_dict = _ZeroMethods.consolidate_state_dict
     state_dict = _ZeroMethods.state_dict
     load_state_dict = _ZeroMethods.load_state_dict
+    add_param_group = _ZeroMethods.add_param_group
 
 
 _CLASSES: dict[type, type] = {}
