@@ -289,6 +289,19 @@ def test_src_data_rank_broadcasts_the_source_clients_value():
     assert "[rank 0] OK rank 0" in out.stdout and "[rank 1] OK rank 1" in out.stdout
 
 
+@pytest.mark.parametrize("mode", ["sync", "nosync"])
+def test_fsdp1_sync_module_states_gives_every_client_client_0s_weights(mode):
+    """Clients seeded differently: with sync_module_states the sharded weights are client 0's init;
+    without, each client's shards come from its own init (torch's reason for the flag)."""
+    out = launch("--nproc-per-node", "2", "--devices-per-proc", "2", "--master-port", str(free_base_port(2)),
+                 str(HERE / "fsdp1_sync_module_states.py"), mode)
+    assert out.returncode == 0, out.stderr[-3000:]
+    want = "True" if mode == "sync" else "False"
+    for rank in (0, 1):
+        assert f"[rank {rank}] OK rank {rank} sync={mode == 'sync'} equals client 0's init: {want}" in out.stdout, \
+            out.stdout
+
+
 def test_checkpoint_saved_by_two_clients_loads_in_one_and_four(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     out = launch("--nproc-per-node", "2", "--devices-per-proc", "2", "--master-port", str(free_base_port(2)),

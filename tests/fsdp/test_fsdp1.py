@@ -243,3 +243,33 @@ def test_optim_state_dict_round_trip():
     again = FSDP.optim_state_dict(model, model.optimizer)
     np.testing.assert_array_equal(again["state"]["blocks.0.mlp.up.kernel"]["velocity"],
                                   osd["state"]["blocks.0.mlp.up.kernel"]["velocity"])
+
+
+def constant_init(layer):
+    """A param_init_fn: every weight of ``layer`` a deterministic pattern (what a reset_parameters does)."""
+    for i, w in enumerate(layer.weights):
+        w.assign(np.sin(np.arange(np.prod(w.shape)).reshape(w.shape) + i) * 0.1)
+
+
+def test_param_init_fn_initialises_every_layer_before_sharding(float64):
+    """torch calls param_init_fn on the modules it materialises; here on every layer with weights.
+    The sharded model then trains like a one-device model initialised the same way by hand."""
+    ref = make_gpt()
+    for layer in ref._flatten_layers(include_self=True):
+        if layer.weights and not layer._layers:
+            constant_init(layer)
+    seen = []
+    model = FSDP(make_gpt(), device_mesh=mesh8(), auto_wrap_policy=ModuleWrapPolicy({Block}),
+                 param_init_fn=lambda layer: (seen.append(layer.name), constant_init(layer)))
+    assert "query" in seen and len(seen) >= len(model.blocks) * 4
+    assert max_weight_diff(ref, model) < 1e-15
+    np.testing.assert_allclose(fit(model), fit(ref), rtol=1e-6)
+    assert max_weight_diff(ref, model) < 1e-11
+    with pytest.raises(ValueError, match="param_init_fn"):
+        FSDP(make_gpt(), device_mesh=mesh8(), param_init_fn="zeros")
+
+
+def test_sync_module_states_on_one_client_keeps_the_weights():
+    ref = make_gpt()
+    model = FSDP(make_gpt(), device_mesh=mesh8(), sync_module_states=True)
+    assert max_weight_diff(ref, model) == 0

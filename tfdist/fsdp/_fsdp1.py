@@ -175,7 +175,7 @@ def _strategy_args(strategy: ShardingStrategy) -> dict:
 
 _UNIT_ARGS = {"sharding_strategy", "mixed_precision"}  # what a CustomPolicy dict may set per unit
 _NO_TF_MEANING = {"backward_prefetch", "forward_prefetch", "limit_all_gathers", "use_orig_params", "device_id",
-                  "sync_module_states", "param_init_fn"}
+                  "sync_module_states", "param_init_fn"}  # per unit: applied once, for the whole model
 
 
 def _units(modules, module: Any, policy: Callable | None) -> list[tuple[Any, dict]]:
@@ -213,10 +213,11 @@ class FullyShardedDataParallel(metaclass=_FSDP1Meta):
     chooses sublayers that become their own unit (``ModuleWrapPolicy``,
     ``size_based_auto_wrap_policy``).  ``device_mesh`` is a 1-D mesh (all
     devices when None).  ``process_group`` must be None.
-    ``backward_prefetch``, ``forward_prefetch``, ``limit_all_gathers``,
-    ``use_orig_params``, ``device_id``, ``sync_module_states`` and
-    ``param_init_fn`` have no TF meaning and are accepted (weights are
-    initialised once, the same on every client).
+    ``param_init_fn(layer)`` is called on every layer that owns weights
+    before sharding; ``sync_module_states=True`` gives every client client
+    0's weights first (multi-client).  ``backward_prefetch``,
+    ``forward_prefetch``, ``limit_all_gathers``, ``use_orig_params`` and
+    ``device_id`` have no TF meaning and are accepted (docs/fsdp.md says why).
 
     Example::
 
@@ -256,6 +257,10 @@ class FullyShardedDataParallel(metaclass=_FSDP1Meta):
             raise ValueError(f"FullyShardedDataParallel({name!r}): the module is already sharded with FSDP.")
         ignored = [v for m in (ignored_modules or ()) for v in modules.variables(m)]
         ignored += list(ignored_states or ())
+        if param_init_fn is not None:
+            _initialize_with(modules, module, param_init_fn, name)
+        if sync_module_states:
+            _sync_from_client_0(modules, module, device_mesh)
         mp = mixed_precision or MixedPrecision()
         units = _units(modules, module, auto_wrap_policy)
         for unit, overrides in units:
@@ -376,6 +381,37 @@ class FullyShardedDataParallel(metaclass=_FSDP1Meta):
             if saved is not None:
                 for variable, value in zip(variables, saved):
                     variable.assign(value)
+
+
+def _initialize_with(modules, module: Any, param_init_fn: Callable, name: str) -> None:
+    """torch calls ``param_init_fn`` on each module whose parameters are on the meta device; a Keras
+    layer's weights always exist, so it is called on every layer of the tree that owns weights
+    (parents before children, as torch visits them), before anything is sharded."""
+    if not callable(param_init_fn):
+        raise ValueError(f"FullyShardedDataParallel({name!r}): param_init_fn must be a callable taking a layer. "
+                         f"Received: param_init_fn={param_init_fn!r}")
+    for _, layer in modules.named_layers(module):
+        if modules.is_built(layer) and modules.weights(layer):
+            param_init_fn(layer)
+
+
+def _sync_from_client_0(modules, module: Any, device_mesh: DeviceMesh | None) -> None:
+    """Every weight not yet on a mesh takes client 0's value (torch: broadcast from rank 0), so
+    clients that initialised differently shard one model.  One client: nothing to do."""
+    from tfdist import _runtime
+    from tfdist.device_mesh import init_device_mesh
+    from tfdist.tensor import Replicate, distribute_tensor
+
+    if not _runtime.is_multi_client():
+        return
+    mesh = device_mesh if device_mesh is not None else init_device_mesh(
+        _runtime.detect_device_type(), (_runtime.num_global_devices(_runtime.detect_device_type()),))
+    root = mesh.root_mesh
+    for variable in modules.variables(module):
+        if modules.is_placed(variable):
+            continue  # laid out already (e.g. tensor parallel first): built from each client's values
+        value = distribute_tensor(variable.numpy(), root, [Replicate()] * root.ndim, src_data_rank=0)
+        variable.assign(value.to_local().numpy())
 
 
 def _fsdp1_units(module: Any) -> list[Any]:
