@@ -108,6 +108,22 @@ class FSDPModule:
             "Dense/EinsumDense layers of this group only.", UserWarning, stacklevel=2,
         )
 
+    def set_all_reduce_hook(self, hook: Callable[[tf.Tensor], tf.Tensor | None], *, stream: Any = None) -> None:
+        """Runs ``hook`` on each reduce-scattered gradient shard of this module's group, inside the
+        traced step, before the optimizer sees it (torch: after the reduce-scatter, for a custom
+        all-reduce or a gradient transform).  TF tensors are immutable, so the hook returns the
+        new gradient (``None`` keeps it) where torch's modifies it in place; it gets and must
+        return the shard's global shape and dtype.  ``stream`` (a CUDA stream in torch) has no TF
+        meaning: TF's executor places the hook's ops.
+
+        Example::
+
+            model.set_all_reduce_hook(lambda grad: tf.clip_by_value(grad, -1.0, 1.0))
+        """
+        if not callable(hook):
+            raise ValueError(f"set_all_reduce_hook(hook) must be callable. Received: hook={hook!r}")
+        self._fsdp_state.all_reduce_hook = hook
+
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """Only meaningful for HSDP, which tfdist does not offer (see ``fully_shard``): a no-op."""
 
@@ -133,6 +149,35 @@ class _FSDPState:
         self.offload = offload
         self.params: list[tuple[Any, ShardedParam]] = []
         self.divide_factor: float | None = None
+        self.all_reduce_hook: Callable[[tf.Tensor], tf.Tensor | None] | None = None
+
+
+def _shard(modules: ModuleBackend, variable: Any, param: ShardedParam, state: _FSDPState) -> tf.Tensor:
+    """The variable's stored shard.  Its gradient is the reduce-scattered shard (every FSDP path's
+    custom gradient returns it for this value), so the group's all-reduce hook goes here, once
+    for every kind of layer."""
+    value = modules.stored_value(variable)
+    hook = state.all_reduce_hook
+    return value if hook is None else _hooked(value, hook, param.shard_layout)
+
+
+def _hooked(value: tf.Tensor, hook: Callable, layout: dtensor.Layout) -> tf.Tensor:
+    @tf.custom_gradient
+    def identity(v):
+        def grad(dv):
+            out = hook(dv)
+            if out is None:
+                return dv
+            out = tf.convert_to_tensor(out)
+            if out.shape != dv.shape or out.dtype != dv.dtype:
+                raise ValueError(
+                    f"set_all_reduce_hook: the hook must return the gradient shard's shape {dv.shape} and "
+                    f"dtype {dv.dtype.name} (or None). Received: shape {out.shape}, dtype {out.dtype.name}")
+            return dtensor.relayout(out, layout)
+
+        return tf.identity(v), grad
+
+    return identity(value)
 
 
 _CLASSES: dict[tuple[type, tuple[type, ...]], type] = {}
@@ -473,9 +518,9 @@ def _sharded_product_call(
             return original(inputs, *args, **kwargs)
         equation = kind.equation_for(x.shape.rank)
         compute = state.mp.param_dtype or tf.as_dtype(kind.compute_dtype)
-        bias_arg = None if bias is None else (modules.stored_value(bias[0]), bias[1], letters)
+        bias_arg = None if bias is None else (_shard(modules, bias[0], bias[1], state), bias[1], letters)
         y = sharded_einsum(
-            equation, x, modules.stored_value(kernel_var), kernel_param,
+            equation, x, _shard(modules, kernel_var, kernel_param, state), kernel_param,
             batch_sharded=_batch_splits(x, kernel_param),
             compute_dtype=compute, reduce_dtype=state.mp.reduce_dtype,
             regather=(lambda: modules.stored_value(kernel_var)) if state.regather_in_backward else None,
@@ -516,7 +561,7 @@ def _sharded_lookup_call(modules: ModuleBackend, layer: Any, params: dict, state
             return original(inputs, *args, **kwargs)
         ids = on_mesh(ids, state.mesh.root_mesh.to_tf())
         y = sharded_lookup(
-            ids, modules.stored_value(table_var), table_param,
+            ids, _shard(modules, table_var, table_param, state), table_param,
             batch_sharded=_batch_splits(ids, table_param),
             compute_dtype=state.mp.param_dtype, reduce_dtype=state.mp.reduce_dtype,
         )
@@ -542,7 +587,7 @@ def _sharded_norm_call(modules: ModuleBackend, layer: Any, params: dict, state: 
                 return original(x)
 
         return sharded_call(
-            fn, x, [modules.stored_value(v) for v in variables], [p for _, p in pairs],
+            fn, x, [_shard(modules, v, p, state) for v, p in pairs], [p for _, p in pairs],
             batch_sharded=_batch_splits(x, pairs[0][1]), dtype=state.mp.param_dtype,
         )
 
@@ -567,7 +612,7 @@ def _gathered_call(modules: ModuleBackend, params: dict, state: _FSDPState) -> C
             lambda a: on_mesh(a, mesh) if isinstance(a, tf.Tensor) else a, (args, kwargs)
         )
         values = [  # gathered in param_dtype (fewer bytes), read in the variable's dtype (Keras' rules)
-            (variable, tf.cast(gathered_with_sliced_grad(modules.stored_value(variable), param,
+            (variable, tf.cast(gathered_with_sliced_grad(_shard(modules, variable, param, state), param,
                                                          state.mp.param_dtype, first), variable.dtype))
             for variable, param in params.values()
         ]
