@@ -18,13 +18,15 @@ from typing import Any, Callable, Iterator
 
 import tensorflow as tf
 
-from tfdist import _registry
+from tfdist import _registry, _runtime
 from tfdist.device_mesh import DeviceMesh
-from tfdist.fsdp._fully_shard import _REPLICATE, FSDPModule, fsdp_class, fully_shard
+from tfdist.fsdp._fully_shard import _REPLICATE, FSDPModule, _default_mesh, fsdp_class, fully_shard
 from tfdist.fsdp._policies import MixedPrecisionPolicy
 from tfdist.fsdp import _optim_state, _state_dict
 from tfdist.fsdp._state_dict import StateDictSettings, StateDictType
 from tfdist.tensor._modules import module_backend
+from tfdist.tensor._api import distribute_tensor
+from tfdist.tensor.placement_types import Replicate
 
 __all__ = [
     "FullyShardedDataParallel", "ShardingStrategy", "BackwardPrefetch", "MixedPrecision", "CPUOffload",
@@ -313,16 +315,7 @@ class FullyShardedDataParallel(metaclass=_FSDP1Meta):
     def optim_state_dict(model: Any, optim: Any, optim_state_dict: Any = None, group: Any = None) -> dict:
         """The optimizer's slots by parameter name and slot (``{"state": {name: {"momentum": ...}},
         "param_groups": [hyper-parameters]}``), in the model's state-dict form."""
-        settings = FullyShardedDataParallel.get_state_dict_type(model)
-        config = settings.optim_state_dict_config
-        if settings.state_dict_type == StateDictType.FULL_STATE_DICT and config.rank0_only and not _state_dict.is_writer():
-            return {}
-        state = {
-            name: {slot: _state_dict.export_value(v, settings, optim=True) for slot, v in slots.items()}
-            for name, slots in _state_dict.slots_by_param(model, optim).items()
-        }
-        groups = {k: v for k, v in optim.get_config().items() if isinstance(v, (int, float, str, bool))}
-        return {"state": state, "param_groups": [groups]}
+        return _optim_state.optim_state(model, optim, FullyShardedDataParallel.get_state_dict_type(model))
 
     @staticmethod
     def optim_state_dict_to_load(model: Any, optim: Any, optim_state_dict: dict, **kwargs: Any) -> dict:
@@ -398,15 +391,9 @@ def _initialize_with(modules, module: Any, param_init_fn: Callable, name: str) -
 def _sync_from_client_0(modules, module: Any, device_mesh: DeviceMesh | None) -> None:
     """Every weight not yet on a mesh takes client 0's value (torch: broadcast from rank 0), so
     clients that initialised differently shard one model.  One client: nothing to do."""
-    from tfdist import _runtime
-    from tfdist.device_mesh import init_device_mesh
-    from tfdist.tensor import Replicate, distribute_tensor
-
     if not _runtime.is_multi_client():
         return
-    mesh = device_mesh if device_mesh is not None else init_device_mesh(
-        _runtime.detect_device_type(), (_runtime.num_global_devices(_runtime.detect_device_type()),))
-    root = mesh.root_mesh
+    root = (device_mesh if device_mesh is not None else _default_mesh()).root_mesh
     for variable in modules.variables(module):
         if modules.is_placed(variable):
             continue  # laid out already (e.g. tensor parallel first): built from each client's values

@@ -26,12 +26,13 @@ from typing import Any
 import numpy as np
 from tensorflow.experimental import dtensor
 
+from tfdist import _client_kv, _runtime
 from tfdist.fsdp import _state_dict
 from tfdist.tensor._api import DTensor, distribute_tensor
 from tfdist.tensor._modules import module_backend
 
 __all__ = [
-    "OptimStateKeyType", "full_optim_state_dict", "sharded_optim_state_dict", "shard_full_optim_state_dict",
+    "OptimStateKeyType", "optim_state", "full_optim_state_dict", "sharded_optim_state_dict", "shard_full_optim_state_dict",
     "scatter_full_optim_state_dict", "flatten_sharded_optim_state_dict", "rekey_optim_state_dict",
 ]
 
@@ -43,16 +44,26 @@ class OptimStateKeyType(enum.Enum):
     PARAM_ID = enum.auto()
 
 
-def _state_dicts():
-    from tfdist.checkpoint import state_dict  # the checkpoint package imports FSDP's state-dict types
-
-    return state_dict
-
-
 def _check_group(group: Any, api: str) -> None:
     if group is not None:
         raise ValueError(f"FullyShardedDataParallel.{api}: group must be None (every client takes part). "
                          f"Received: group={group!r}")
+
+
+def optim_state(model: Any, optim: Any, settings: _state_dict.StateDictSettings) -> dict[str, Any]:
+    """The optimizer's slots by parameter name in the form ``settings`` give (FSDP1's
+    ``optim_state_dict`` and the family below); ``{}`` off client 0 for a rank-0-only full dict."""
+    config = settings.optim_state_dict_config
+    rank0_only = getattr(config, "rank0_only", False)
+    full = settings.state_dict_type == _state_dict.StateDictType.FULL_STATE_DICT
+    slots = _state_dict.slots_by_param(model, optim)
+    state = {name: {slot: _state_dict.export_value(v, settings, optim=True) for slot, v in per_slot.items()}
+             for name, per_slot in slots.items()}  # every client reads: gathers are collective
+    if full and rank0_only and not _state_dict.is_writer():
+        return {}
+    groups = {k: v for k, v in optim.get_config().items() if isinstance(v, (int, float, str, bool))}
+    groups["params"] = sorted(state)
+    return {"state": state, "param_groups": [groups]}
 
 
 def full_optim_state_dict(model: Any, optim: Any, optim_input: Any = None, rank0_only: bool = True,
@@ -60,20 +71,20 @@ def full_optim_state_dict(model: Any, optim: Any, optim_input: Any = None, rank0
     """The whole optimizer state (numpy arrays) keyed by parameter name; with ``rank0_only``
     (torch's default) clients other than 0 get ``{}``.  Collective: every client calls it."""
     _check_group(group, "full_optim_state_dict")
-    sd = _state_dicts()
-    options = sd.StateDictOptions(full_state_dict=True, cpu_offload=bool(rank0_only))
-    osd = sd.get_optimizer_state_dict(model, optim, options=options)
-    if rank0_only or not osd:
-        return osd
-    return _map_values(osd, lambda v: v.numpy() if hasattr(v, "numpy") else np.asarray(v))
+    settings = _state_dict.StateDictSettings(
+        _state_dict.StateDictType.FULL_STATE_DICT, _state_dict.FullStateDictConfig(),
+        _state_dict.FullOptimStateDictConfig(rank0_only=bool(rank0_only)))
+    return optim_state(model, optim, settings)
 
 
 def sharded_optim_state_dict(model: Any, optim: Any, group: Any = None) -> dict[str, Any]:
     """The optimizer state keyed by parameter name, each sharded slot a tfdist DTensor with its
     placements (no communication) -- torch's ShardedTensor form, loadable as it is."""
     _check_group(group, "sharded_optim_state_dict")
-    sd = _state_dicts()
-    return sd.get_optimizer_state_dict(model, optim)
+    settings = _state_dict.StateDictSettings(
+        _state_dict.StateDictType.SHARDED_STATE_DICT, _state_dict.ShardedStateDictConfig(),
+        _state_dict.ShardedOptimStateDictConfig(offload_to_cpu=False))
+    return optim_state(model, optim, settings)
 
 
 def shard_full_optim_state_dict(full_optim_state_dict: dict[str, Any], model: Any, optim_input: Any = None,
@@ -101,8 +112,6 @@ def scatter_full_optim_state_dict(full_optim_state_dict: dict[str, Any] | None, 
     a TF DTensor is made by every client from the same global value), then each lays it out.
     """
     _check_group(group, "scatter_full_optim_state_dict")
-    from tfdist import _client_kv, _runtime
-
     kv = _client_kv.Group(no_dist=False, namespace="fsdp")
     mine = full_optim_state_dict if _runtime.get_rank() == 0 else None
     if kv.is_coordinator:

@@ -15,8 +15,10 @@ broadcasts.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Iterable
 
+import keras
 import numpy as np
 from tensorflow.experimental import dtensor
 
@@ -66,7 +68,6 @@ class _ZeroMethods:
         for path, variable in own.items():
             variable.assign(state_dict[path])
 
-
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Adds variables to the optimizer (torch: a new param group), e.g. layers unfrozen while
         fine-tuning; their state is created sharded like the rest, the existing state is kept.
@@ -90,20 +91,22 @@ class _ZeroMethods:
         if not new:
             return
         old_slots = {v.path: v for v in self._variables}
-        variables = list(self._trainable_variables) + new
+        indices, variables = dict(self._trainable_variables_indices), list(self._trainable_variables) + new
         self.built = False
         self._trainable_variables_indices = {}
-        with _scope_of(variables):
-            self.build(variables)
-        kept, made = [], []
+        try:
+            with _distribution_scope():
+                self.build(variables)  # fresh slots for every variable, the old ones' values copied below
+        except BaseException:
+            self.built, self._trainable_variables_indices = True, indices  # as it was
+            raise
+        replaced = []
         for v in self._variables:
             previous = old_slots.get(v.path)
-            if previous is not None and previous is not v:  # rebuilt: carry the state over
+            if previous is not None and previous is not v:
                 v.assign(previous.value)
-                made.append(previous)
-            kept.append(v)
-        stale = {id(v) for v in made}
-        self._variables = [v for v in kept if id(v) not in stale]
+                replaced.append(id(previous))
+        self._variables = [v for v in self._variables if id(v) not in set(replaced)]
 
 
 def _checked_group(optimizer: Any, param_group: Any) -> list[Any]:
@@ -137,12 +140,9 @@ def _same(a: Any, b: Any) -> bool:
         return a == b
 
 
-def _scope_of(variables: list[Any]):
-    """The distribution the model's variables were made under (slots take their layouts)."""
-    import contextlib
-
-    import keras
-
+def _distribution_scope() -> contextlib.AbstractContextManager:
+    """The global keras distribution's scope, under which the model's variables were made (new
+    slots take their layouts there)."""
     distribution = keras.distribution.distribution()
     return distribution.scope() if distribution is not None else contextlib.nullcontext()
 
