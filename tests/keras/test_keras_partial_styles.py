@@ -197,6 +197,16 @@ def test_partial_output_must_be_a_sum():
         RowwiseParallel(output_layouts=Partial("max"), use_local_output=False)
 
 
+def test_a_tf_tensor_cannot_be_laid_out_as_partial():
+    from tfdist.tensor.parallel import PrepareModuleOutput
+
+    mesh = tfdist.init_device_mesh("cpu", (8,), mesh_dim_names=("tp",))
+    model = parallelize_module(make(Chain, X), mesh, {
+        "out": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Partial())})
+    with pytest.raises(ValueError, match="cannot lay a tensor out"):
+        model.out(tf.constant(X))
+
+
 def test_colwise_output_cannot_be_partial():
     with pytest.raises(ValueError, match="output_layouts"):
         ColwiseParallel(output_layouts=Partial())

@@ -139,6 +139,11 @@ class _Context:
             arrives_as = None
         if isinstance(x, DTensor) and (x._spec.partial_mesh_dims or _has_partial(placements)):
             return self._redistribute(x, placements, use_local_output)
+        if _has_partial(placements):
+            raise ValueError(
+                f"layer {self.fqn!r}: cannot lay a tensor out as {tuple(placements)!r}: a Partial comes from a "
+                "product (RowwiseParallel(output_layouts=Partial(), use_local_output=False)), not from a "
+                "relayout (tfdist refuses moves to Partial, as torch does from a Shard).")
         x = as_tf(x)
         if not isinstance(x, tf.Tensor):
             return x
