@@ -424,7 +424,12 @@ def test_stage_meshes_spanning_clients_clash_unless_every_client_issues_every_st
     args = ("--nproc-per-node", "4", "--devices-per-proc", "2")
     diverge = launch(*args, "--master-port", str(free_base_port(4)), repro)
     assert diverge.returncode != 0
-    assert "is joining a group that is already full (group_key=0)" in diverge.stdout + diverge.stderr
+    said = diverge.stdout + diverge.stderr
+    # the clash shows one of two ways, by timing: TF's group leader refuses the second half, or the
+    # halves' all-reduces meet in one group and some clients get wrong values
+    assert ("is joining a group that is already full (group_key=0)" in said
+            or "(diverge): stage 0's all-reduce correct: False" in said
+            or "(diverge): stage 1's all-reduce correct: False" in said), said[-3000:]
     old_mode = ENV.get("MODE")
     ENV["MODE"] = "lockstep"
     try:

@@ -17,7 +17,9 @@ group key from a per-process counter bumped at every lowering
 instance key from another counter (``tf_collective_instance_key_base++``), on
 the stated assumption that "different hosts go through exactly the same MLIR
 logic".  Clients that lower different programs therefore give different groups
-the same key.
+the same key.  Depending on timing the clash may instead let the two halves'
+all-reduces meet in one group: no error, and some clients print a wrong value
+("correct: False") -- seen in a CI run on a 2-core machine.
 
 MODE=lockstep: every client builds both meshes (the other half's as a remote
 mesh: no local devices) and issues the same ops in the same order; DTensor
