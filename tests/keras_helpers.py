@@ -80,3 +80,25 @@ def model_parallel(mesh_shape=(2, 4)) -> keras.distribution.ModelParallel:
     layout_map[".*up/bias"] = ("model",)
     layout_map[".*down/kernel"] = ("model", None)
     return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+
+
+def sum_sq_grads(model, x):
+    """Gradients of sum(model(x)^2) for the model's trainable variables."""
+    import tensorflow as tf
+
+    with tf.GradientTape() as tape:
+        y = model(x)
+        loss = tf.reduce_sum(y * y)
+    return tape.gradient(loss, model.trainable_variables)
+
+
+def traced_sum_sq_grads(model, x):
+    """``sum_sq_grads`` traced, under CommDebugMode: (grads, the CommDebugMode)."""
+    import tensorflow as tf
+
+    from tfdist.tensor.debug import CommDebugMode
+
+    step = tf.function(lambda x: sum_sq_grads(model, x))
+    with CommDebugMode() as comm:
+        grads = step(x)
+    return grads, comm

@@ -10,7 +10,9 @@ import pytest
 import tensorflow as tf
 
 import tfdist
-from keras_helpers import DenseAdam, float64, logits_loss_grads, max_weight_diff, no_global_distribution  # noqa: F401
+from keras_helpers import (  # noqa: F401
+    DenseAdam, float64, logits_loss_grads, max_weight_diff, no_global_distribution, sum_sq_grads, traced_sum_sq_grads,
+)
 from tfdist.fsdp import (
     CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method,
 )
@@ -137,22 +139,6 @@ def test_parameters_gradients_and_optimizer_state_are_sharded():
     assert dtensor.fetch_layout(g).sharding_specs[0] == "dp"  # the gradient arrives as the shard
 
 
-def sum_sq_grads(model, x):
-    """Gradients of sum(model(x)^2) for the model's trainable variables."""
-    with tf.GradientTape() as tape:
-        y = model(x)
-        loss = tf.reduce_sum(y * y)
-    return tape.gradient(loss, model.trainable_variables)
-
-
-def traced_sum_sq_grads(model, x):
-    """``sum_sq_grads`` traced, under CommDebugMode: (grads, comm counts)."""
-    step = tf.function(lambda x: sum_sq_grads(model, x))
-    with CommDebugMode() as comm:
-        grads = step(x)
-    return grads, comm.get_comm_counts()
-
-
 def dense_stack(depth=4, dim=64):
     keras.utils.set_random_seed(0)
     return keras.Sequential(
@@ -169,7 +155,8 @@ def test_collectives_are_gathers_and_reduce_scatters(reshard):
         fully_shard(layer, mesh=dp_mesh(), reshard_after_forward=reshard)
     fully_shard(model, mesh=dp_mesh(), reshard_after_forward=reshard)
     x = tf.constant(RNG.standard_normal((16, 64)), tf.float32)
-    grads, counts = traced_sum_sq_grads(model, x)
+    grads, comm = traced_sum_sq_grads(model, x)
+    counts = comm.get_comm_counts()
     assert counts.get("all_gather_into_tensor") == 8 + (3 if reshard else 0)
     assert counts.get("reduce_scatter_tensor") == 8
     assert "all_reduce" not in counts
@@ -367,7 +354,8 @@ def test_embedding_gradient_is_reduce_scattered():
     model = make()
     fully_shard(model, mesh=dp_mesh())
     ids = tf.constant(IDS[:16])
-    got, counts = traced_sum_sq_grads(model, ids)
+    got, comm = traced_sum_sq_grads(model, ids)
+    counts = comm.get_comm_counts()
     assert "all_reduce" not in counts and counts.get("reduce_scatter_tensor") == 3, counts
     for a, b in zip(sum_sq_grads(make(), ids), got):
         np.testing.assert_allclose(gather_to_numpy(b), tf.convert_to_tensor(a).numpy(), rtol=1e-5, atol=1e-5)
@@ -395,7 +383,7 @@ def test_layout_map_fsdp_style_trains_like_one_device(float64, with_tp):
     loss = fit(model, X[:48], Y[:48], "mse")
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     assert max_weight_diff(ref, model) < 1e-12
-    _, counts = traced_sum_sq_grads(model, tf.constant(X[:16]))
+    counts = traced_sum_sq_grads(model, tf.constant(X[:16]))[1].get_comm_counts()
     # gathers before use, reduce-scatters (all-to-all) of the sharded gradients; with tp the
     # row-parallel product's all-reduce over tp is the tensor-parallel one
     assert counts.get("all_gather_into_tensor", 0) >= 4 and counts.get("reduce_scatter_tensor", 0) >= 3, counts

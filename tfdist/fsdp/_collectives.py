@@ -25,7 +25,7 @@ from tensorflow.experimental import dtensor
 from tfdist.tensor._redistribute import reduce_scatter_move, relayout
 
 __all__ = [
-    "ShardedParam", "gather", "gathered_with_sliced_grad", "sharded_einsum", "sharded_lookup", "sharded_call",
+    "ShardedParam", "gather", "gathered_with_sliced_grad", "sharded_einsum", "sharded_lookup", "per_shard_call",
 ]
 
 UNSHARDED = dtensor.UNSHARDED
@@ -321,62 +321,73 @@ def _merge_batch(xs: tf.Tensor, specs: list[str], mesh: dtensor.Mesh) -> tf.Tens
     return dtensor.relayout(tf.reshape(xs, [shape[0] * shape[1]] + list(shape[2:])), dtensor.Layout(specs, mesh))
 
 
-def sharded_call(
+def per_shard_call(
     fn: Callable[[tf.Tensor, list[tf.Tensor]], tf.Tensor], x: tf.Tensor, shards: list[tf.Tensor],
-    params: list[ShardedParam], *, batch_sharded: bool, dtype: tf.DType | None,
+    params: list[ShardedParam], *, dtype: tf.DType | None, reduce_dtype: tf.DType | None,
 ) -> tf.Tensor:
-    """``fn(x, all_gathered(shards))`` for a layer of one input with any computation, FSDP's backward.
+    """``fn`` run on each data-parallel shard of the batch, as torch's FSDP ranks run a module.
 
-    The backward recomputes ``fn`` per data-parallel shard, vectorised over
-    the split batch (``tf.vectorized_map``) with each device's own copy of
-    the full parameters, so each weight gradient comes out as the stacked
-    per-device partial and is reduce-scattered -- where TF's own gradient
-    would all-reduce it.  Meant for small layers (norms): the forward is
-    recomputed in the backward and the copies are ``N`` x the parameters.
+    ``fn(x_i, fulls)`` gets one device's rows ``x_i`` (``[B/N, ...]``) and
+    the all-gathered parameters.  It runs vectorised over the ``N`` shards
+    (``tf.vectorized_map`` over ``x`` split to ``[N(dp), B/N, ...]``; the
+    parameters broadcast to ``[N(dp), *full]``, one copy per device, a local
+    op), so each device computes its own rows and each weight gradient comes
+    out as the stacked per-device partial, reduce-scattered onto the shard
+    in ``reduce_dtype`` (all-to-all + local sum: torch's bytes) where TF's
+    own gradient would all-reduce it.  The backward uses the forward's
+    activations (no recomputation).  The output must be one tensor whose
+    dim 0 is the rows.  A layer that mixes rows (batch statistics) sees its
+    shard's rows only, as under torch.  Raises ``ValueError`` when ``fn``
+    has an op TF cannot vectorise or its output is not row-wise: the caller
+    then takes the gathered route.
+
+    Example: a custom layer ``y = x @ w + b`` with ``w`` sharded on dp::
+
+        y = per_shard_call(lambda x, ws: x @ ws[0] + ws[1], x, [w, b], [pw, pb], dtype=None, reduce_dtype=None)
     """
     param0 = params[0]
     mesh, dp = param0.shard_layout.mesh, param0.dp
     parts = mesh.dim_size(dp)
-    rank = x.shape.rank
-    x_specs = [dp if batch_sharded else UNSHARDED] + [UNSHARDED] * (rank - 1)
+    x_specs = [dp] + [UNSHARDED] * (x.shape.rank - 1)
+    rows = x.shape[0] // parts if x.shape[0] is not None else None
+    stacked_specs = [[dp] + list(p.full_layout.sharding_specs) for p in params]
 
+    def one_shard(args):
+        y = fn(args[0], list(args[1:]))
+        if not isinstance(y, tf.Tensor) or y.shape.rank in (None, 0) or (
+                rows is not None and y.shape[0] is not None and y.shape[0] != rows):
+            raise ValueError(f"per_shard_call: the output is not one row-wise tensor (rows {rows}): {y!r}")
+        return y
+
+    # every relayout sits inside: TF's own gradient of a relayout (RelayoutLike) mis-propagates
+    # layouts (docs/tf_dtensor_repros/rowwise_sequence_shard_output.py); the backward relayouts itself
     @tf.custom_gradient
     def run(x, *shards):
-        x = dtensor.relayout(x, dtensor.Layout(x_specs, mesh))  # inside: see sharded_einsum
+        x = dtensor.relayout(x, dtensor.Layout(x_specs, mesh))
         with tf.control_dependencies([x] if tf.inside_function() else []):
             fulls = [gather(s, p, dtype) for s, p in zip(shards, params)]
-        y = fn(x, fulls)
-        y_specs = [dp if batch_sharded else UNSHARDED] + [UNSHARDED] * (y.shape.rank - 1)
-        y = dtensor.relayout(y, dtensor.Layout(y_specs, mesh))
+        copies = [dtensor.relayout(tf.broadcast_to(tf.expand_dims(f, 0), [parts] + f.shape.as_list()),
+                                   dtensor.Layout(specs, mesh)) for f, specs in zip(fulls, stacked_specs)]
+        xs = _split_batch(x, x_specs, parts, mesh)
+        with tf.GradientTape() as tape:
+            tape.watch([xs] + copies)
+            ys = tf.vectorized_map(one_shard, (xs, *copies), fallback_to_while_loop=False)
+        y_specs = [dp] + [UNSHARDED] * (ys.shape.rank - 2)
+        y = _merge_batch(ys, y_specs, mesh)
 
         def grad(dy):
-            dy = dtensor.relayout(tf.cast(dy, y.dtype), dtensor.Layout(y_specs, mesh))
-            if not batch_sharded:
-                with tf.GradientTape() as tape:
-                    tape.watch([x] + fulls)
-                    again = fn(x, fulls)
-                grads = tape.gradient(again, [x] + fulls, dy)
-                return (grads[0],) + tuple(_scatter_grad(g, p, s.dtype) for g, p, s in zip(grads[1:], params, shards))
-            xs, dys = _split_batch(x, x_specs, parts, mesh), _split_batch(dy, y_specs, parts, mesh)
-            copies = []
-            for full, p in zip(fulls, params):  # each device's own copy of the full parameter
-                stacked = tf.broadcast_to(tf.expand_dims(full, 0), [parts] + full.shape.as_list())
-                specs = [dp] + list(p.full_layout.sharding_specs)
-                copies.append(dtensor.relayout(stacked, dtensor.Layout(specs, mesh)))
-
-            def per_shard(args):
-                x_i, dy_i, *w_i = args
-                with tf.GradientTape() as tape:
-                    tape.watch([x_i] + w_i)
-                    y_i = fn(x_i, w_i)
-                return tape.gradient(y_i, [x_i] + w_i, dy_i)
-
-            outs = tf.vectorized_map(per_shard, (xs, dys, *copies))
-            dx = _merge_batch(outs[0], x_specs, mesh)
+            dys = _split_batch(dtensor.relayout(tf.cast(dy, y.dtype), dtensor.Layout(y_specs, mesh)), y_specs, parts,
+                               mesh)
+            grads = tape.gradient(ys, [xs] + copies, output_gradients=dys)
+            dx = None if grads[0] is None else _merge_batch(tf.convert_to_tensor(grads[0]), x_specs, mesh)  # ids: none
             dws = []
-            for g, p, s in zip(outs[1:], params, shards):
-                specs = [dp] + list(p.full_layout.sharding_specs)
-                dws.append(_reduce_scatter_stacked(dtensor.relayout(g, dtensor.Layout(specs, mesh)), specs, p, s.dtype))
+            for g, p, s, specs in zip(grads[1:], params, shards, stacked_specs):
+                if g is None:  # a weight this call does not use (an untied embedding's other table)
+                    dws.append(None)
+                    continue
+                g = tf.convert_to_tensor(g)  # a lookup's IndexedSlices: dense, the copy's shape
+                g = dtensor.relayout(tf.cast(g, reduce_dtype or g.dtype), dtensor.Layout(specs, mesh))
+                dws.append(_reduce_scatter_stacked(g, specs, p, s.dtype))
             return (dx,) + tuple(dws)
 
         return y, grad

@@ -28,7 +28,7 @@ from tensorflow.experimental import dtensor
 from tfdist import _registry, _runtime
 from tfdist.device_mesh import DeviceMesh, _mesh_stack, init_device_mesh
 from tfdist.fsdp._collectives import (
-    ShardedParam, gathered_with_sliced_grad, sharded_call, sharded_einsum, sharded_lookup,
+    ShardedParam, gathered_with_sliced_grad, per_shard_call, sharded_einsum, sharded_lookup,
 )
 from tfdist.fsdp._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from tfdist.tensor._modules import ModuleBackend, module_backend, replicate_unplaced
@@ -396,8 +396,8 @@ def _layer_call(modules: ModuleBackend, layer: Any, params: dict, state: _FSDPSt
     """The FSDP computation for ``layer`` and whether it replaces the innermost call."""
     if _is_plain_lookup(modules, layer, params):
         return _sharded_lookup_call(modules, layer, params, state), True
-    if modules.layer_kind(layer).kind == "norm" and not modules.call_replaced(layer):
-        return _sharded_norm_call(modules, layer, params, state), True
+    if _runs_per_shard(modules, layer, params):
+        return _per_shard_layer_call(modules, layer, params, state), True
     letters = _bias_letters(modules, layer, params)
     if letters is not None:
         return _sharded_product_call(modules, layer, params, state, letters), True
@@ -570,26 +570,53 @@ def _sharded_lookup_call(modules: ModuleBackend, layer: Any, params: dict, state
     return call
 
 
-def _sharded_norm_call(modules: ModuleBackend, layer: Any, params: dict, state: _FSDPState) -> Callable:
-    """A norm layer's own computation, run by ``sharded_call`` (its gradients reduce-scattered)."""
+def _runs_per_shard(modules: ModuleBackend, layer: Any, params: dict) -> bool:
+    """A layer FSDP can run per data-parallel shard (``per_shard_call``): a norm, or any other
+    leaf layer whose weights are all trainable FSDP parameters (no state a call could update,
+    nothing TF's vectoriser would have to loop over)."""
+    kind = modules.layer_kind(layer).kind
+    if modules.call_replaced(layer) or kind not in ("norm", "other"):
+        return False
+    own = modules.weights(layer)
+    if len(own) != len(params) or any(not modules.is_trainable(v) for v in own.values()):
+        return False
+    return all(child is layer for _, child in modules.named_layers(layer)) and not getattr(
+        layer, "_seed_generators", None)
+
+
+def _per_shard_layer_call(modules: ModuleBackend, layer: Any, params: dict, state: _FSDPState) -> Callable:
+    """The layer's own computation run per data-parallel shard: its weight gradients are
+    reduce-scattered (torch's bytes) where TF would all-reduce them.  A call with more than one
+    tensor, a batch that does not split, or an op TF cannot vectorise takes the gathered route; so
+    does a lookup (integer input): the gradient of TF's vectorised gather is a segment sum over the
+    stacked copies that TF DTensor all-reduces whole (N x the table's bytes)."""
     pairs = list(params.values())
+    gathered = _gathered_call(modules, params, state)
+    vectorises = [True]
+    parts = pairs[0][1].shard_layout.mesh.dim_size(pairs[0][1].dp)
 
     def call(original, inputs, *args, **kwargs):
         x = as_tf(inputs)
-        if modules.is_symbolic(x) or not isinstance(x, tf.Tensor) or args or kwargs:
-            return _gathered_call(modules, params, state)(original, inputs, *args, **kwargs)
+        extra = [a for a in tf.nest.flatten((args, kwargs)) if isinstance(as_tf(a), tf.Tensor)]
+        if (not vectorises[0] or modules.is_symbolic(x) or not isinstance(x, tf.Tensor) or extra
+                or not x.dtype.is_floating or x.shape.rank in (None, 0) or not _batch_splits(x, pairs[0][1])
+                or parts == 1):  # one data-parallel device: nothing to reduce
+            return gathered(original, inputs, *args, **kwargs)
         x = on_mesh(x, state.mesh.root_mesh.to_tf())
         variables = [v for v, _ in pairs]
 
-        def fn(x, fulls):
-            values = [(v, tf.cast(f, v.dtype)) for v, f in zip(variables, fulls)]
-            with modules.read_as(values):
-                return original(x)
+        def fn(x_i, fulls):
+            with modules.read_as([(v, tf.cast(f, v.dtype)) for v, f in zip(variables, fulls)]):
+                return original(x_i, *args, **kwargs)
 
-        return sharded_call(
-            fn, x, [_shard(modules, v, p, state) for v, p in pairs], [p for _, p in pairs],
-            batch_sharded=_batch_splits(x, pairs[0][1]), dtype=state.mp.param_dtype,
-        )
+        try:
+            return per_shard_call(
+                fn, x, [_shard(modules, v, p, state) for v, p in pairs], [p for _, p in pairs],
+                dtype=state.mp.param_dtype, reduce_dtype=state.mp.reduce_dtype,
+            )
+        except ValueError:  # an op with no vectorised form, or an output that is not row-wise
+            vectorises[0] = False
+            return gathered(original, inputs, *args, **kwargs)
 
     return call
 

@@ -69,6 +69,14 @@ def _children(layer: Any) -> list[tuple[str, Any]]:
     if isinstance(layer, Functional) or getattr(layer, "_is_graph_network", False):
         named = {id(child) for _, child in out}
         out += [(child.name, child) for child in layer.layers if id(child) not in named]
+    # sublayers Keras tracks that no public name reaches (keras-hub's Llama decoder keeps its parts
+    # in private attributes with no property): by their attribute name, as torch names a module
+    named = {id(child) for _, child in out}
+    private = {id(v): k for k, v in vars(layer).items() if isinstance(v, keras.layers.Layer)}
+    for child in layer._flatten_layers(include_self=False, recursive=False):
+        if id(child) not in named:
+            named.add(id(child))
+            out.append((private.get(id(child), child.name), child))
     return out
 
 
