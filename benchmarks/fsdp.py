@@ -18,7 +18,12 @@ Measured:
   virtual CPUs share one host allocator: the peak is for all 8, divided by 8);
 * bytes each device sends per forward+backward, read from the per-device
   programs TF ran, against torch's 3 (N-1)/N x parameter bytes;
-* step time (train_on_batch), median over rounds.
+* step time (train_on_batch), median over rounds;
+* gradient accumulation over 4 micro-batches of 16: reducing every
+  micro-batch against ``set_requires_gradient_sync(False)`` for the first 3
+  (held unreduced, one reduce-scatter at the 4th): bytes each device sends
+  (CommDebugMode), the gradient bytes held per device, time for the 4
+  micro-batches, and that both give the same summed gradients.
 
     python benchmarks/fsdp.py            # writes benchmarks/results/fsdp.json
 """
@@ -45,6 +50,7 @@ from tensorflow.experimental import dtensor  # noqa: E402
 
 from _common import executed_collective_bytes, print_table, write_results  # noqa: E402
 from tfdist.fsdp import fully_shard  # noqa: E402
+from tfdist.fsdp._fully_shard import _group_states  # noqa: E402
 from tfdist.optim import ZeroRedundancyOptimizer  # noqa: E402
 
 DIM, DEPTH, BATCH = 1024, 4, 64
@@ -196,10 +202,69 @@ def mirrored_worker() -> None:
         print(f"RESULT {value}", flush=True)
 
 
+MICRO = 4
+
+
+def accumulation_rows() -> list[dict]:
+    """Gradients summed over MICRO micro-batches: reduced each time vs held until the last."""
+    from tfdist.tensor.debug import CommDebugMode
+
+    mesh = tfdist.init_device_mesh("cpu", (8,), mesh_dim_names=("dp",))
+    xs, ys = np.split(X, MICRO), np.split(Y, MICRO)
+    runs = {}
+    for name in ("sync every micro-batch", "set_requires_gradient_sync(False)"):
+        model = fsdp_model(mesh)
+
+        @tf.function
+        def grads_of(x, y, sync, model=model):
+            model.set_requires_gradient_sync(sync)
+            with tf.GradientTape() as tape:
+                loss = MSE(y, model(x))
+            return tape.gradient(loss, model.trainable_variables)
+
+        def accumulate(model=model, grads_of=grads_of, held=name != "sync every micro-batch"):
+            total = None
+            for i in range(MICRO):
+                g = grads_of(tf.constant(xs[i]), tf.constant(ys[i]), not held or i == MICRO - 1)
+                total = g if total is None or held else [a + b for a, b in zip(total, g)]
+            return total
+
+        accumulate()  # traced
+        with CommDebugMode() as comm:
+            grads = accumulate()
+        runs[name] = (accumulate, comm, grads, model)
+    want = runs["sync every micro-batch"][2]
+    for a, b in zip(want, runs["set_requires_gradient_sync(False)"][2]):
+        assert float(tf.reduce_max(tf.abs(a - b))) < 1e-5
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(ROUNDS):
+        for name, (accumulate, *_rest) in runs.items():
+            start = time.perf_counter()
+            accumulate()
+            times[name].append((time.perf_counter() - start) * 1e3)
+    rows, base = [], None
+    for name, (_, comm, _, model) in runs.items():
+        sent = sum(comm.get_comm_bytes().values())
+        rs = comm.get_comm_bytes().get("reduce_scatter_tensor", 0.0)
+        base = base or (sent, rs)
+        held = sum(s.grad_sync.held_bytes for s in _group_states(model, recurse=True)) / 8
+        rows.append({
+            "accumulation (4 micro-batches)": name, "reduce-scatters": comm.get_comm_counts().get(
+                "reduce_scatter_tensor", 0), "RS MB sent / device": round(rs / 1e6, 2),
+            "all MB sent / device": round(sent / 1e6, 2), "RS bytes vs sync each": round(rs / base[1], 3),
+            "held grad MB / device": round(held / 1e6, 2),
+            "ms / 4 micro-batches": round(statistics.median(times[name]), 1),
+        })
+    return rows
+
+
 def main() -> None:
     keras.distribution.set_distribution(None)
     rows = sharding_rows()
     print_table(rows, list(rows[0]))
+    accumulation = accumulation_rows()
+    print()
+    print_table(accumulation, list(accumulation[0]))
     enable_allocator_stats()
     mesh = tfdist.init_device_mesh("cpu", (8,), mesh_dim_names=("dp",))
     param_bytes = sum(int(np.prod(v.shape)) * 4 for v in make_model().trainable_variables)
@@ -278,7 +343,7 @@ def main() -> None:
     print_table(timing, list(timing[0]))
     losses = [r["first loss"] for r in timing]
     assert max(losses) - min(losses) < 1e-4, losses
-    path = write_results("fsdp", rows + timing, {
+    path = write_results("fsdp", rows + timing + accumulation, {
         "model": f"{DEPTH} x Dense({DIM}), Adam, batch {BATCH}", "param_bytes": param_bytes, "rounds": ROUNDS,
         "devices": 8,
     })

@@ -148,12 +148,9 @@ def test_summon_full_params_writeback(float64):
             pass
 
 
-def test_no_sync_warns_and_mixed_precision_keeps_master_weights():
+def test_mixed_precision_keeps_master_weights():
     model = FSDP(make_gpt(), device_mesh=mesh8(), mixed_precision=MixedPrecision(param_dtype="bfloat16",
                                                                                   reduce_dtype="float32"))
-    with pytest.warns(UserWarning, match="no_sync"):
-        with model.no_sync():
-            pass
     assert all(v.dtype == "float32" for v in model.trainable_variables)
     model.compile(optimizer="adam", loss=SCE)
     history = model.fit(IDS, NEXT, batch_size=16, epochs=1, verbose=0)

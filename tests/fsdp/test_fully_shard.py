@@ -302,8 +302,6 @@ def test_gradient_accumulation_equals_one_large_batch(float64):
     model.compile(optimizer=keras.optimizers.SGD(0.1, gradient_accumulation_steps=2), loss="mse")
     model.fit(X[:32], Y[:32], batch_size=16, epochs=1, verbose=0, shuffle=False)
     assert max_weight_diff(ref, model) < 1e-12
-    with pytest.warns(UserWarning, match="always reduced"):
-        model.set_requires_gradient_sync(False)
 
 
 def test_cpu_offload_limitation_reproduces():

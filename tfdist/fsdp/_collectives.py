@@ -22,6 +22,7 @@ from typing import Callable
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from tfdist.fsdp._grad_sync import GradientSync
 from tfdist.tensor._redistribute import reduce_scatter_move, relayout
 
 __all__ = [
@@ -38,13 +39,15 @@ class ShardedParam:
     ``shard_layout`` holds it (``dp`` on ``dim``); ``full_layout`` is the
     same without ``dp`` (other mesh dims, e.g. tensor parallel, kept).
     ``dim`` is None for a parameter left replicated on ``dp`` (no dim
-    divides evenly).
+    divides evenly).  ``sync``: its group's gradient-sync switch (None:
+    always reduced).
     """
 
     shard_layout: dtensor.Layout
     full_layout: dtensor.Layout
     dim: int | None
     dp: str
+    sync: GradientSync | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def sharded(self) -> bool:
@@ -63,7 +66,16 @@ def gather(value: tf.Tensor, param: ShardedParam, dtype: tf.DType | None = None)
 def _scatter_grad(full_grad: tf.Tensor, param: ShardedParam, dtype: tf.DType) -> tf.Tensor:
     """A replicated (on dp) gradient -> the shard's: a local slice."""
     grad = dtensor.relayout(tf.cast(full_grad, dtype), param.full_layout)
-    return grad if not param.sharded else relayout(grad, param.shard_layout, source=param.full_layout)
+    grad = grad if not param.sharded else relayout(grad, param.shard_layout, source=param.full_layout)
+    if param.sync is None:
+        return grad
+    total = param.sync.hold_or_release((id(param), "slice"), grad, param.shard_layout)
+    return _zero_grad(param, grad.shape, dtype) if total is None else total
+
+
+def _zero_grad(param: ShardedParam, shape: tf.TensorShape, dtype: tf.DType) -> tf.Tensor:
+    """The gradient of a parameter whose reduction is held back (sync off)."""
+    return dtensor.call_with_layout(tf.zeros, param.shard_layout, shape=shape, dtype=dtype)
 
 
 def gathered_with_sliced_grad(
@@ -100,8 +112,14 @@ def _split_batch(x: tf.Tensor, specs: list[str], parts: int, mesh: dtensor.Mesh)
 def _reduce_scatter_stacked(
     stacked: tf.Tensor, stacked_specs: list[str], param: ShardedParam, dtype: tf.DType,
 ) -> tf.Tensor:
-    """A stacked Partial ``[N(dp), *shape]`` -> the parameter's shard (sum over dp)."""
+    """A stacked Partial ``[N(dp), *shape]`` -> the parameter's shard (sum over dp); with the
+    group's gradient sync off, held unreduced instead (a zero gradient)."""
     mesh = param.shard_layout.mesh
+    if param.sync is not None:
+        held = param.sync.hold_or_release((id(param), "stacked"), stacked, dtensor.Layout(stacked_specs, mesh))
+        if held is None:
+            return _zero_grad(param, stacked.shape[1:], dtype)
+        stacked = held
     if param.sharded:
         moved, _ = reduce_scatter_move(stacked, stacked_specs, 0, param.dim + 1, mesh)  # the all-to-all
         total = tf.reduce_sum(moved, axis=0)

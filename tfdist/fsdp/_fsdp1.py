@@ -20,7 +20,9 @@ import tensorflow as tf
 
 from tfdist import _registry, _runtime
 from tfdist.device_mesh import DeviceMesh
-from tfdist.fsdp._fully_shard import _REPLICATE, FSDPModule, _default_mesh, fsdp_class, fully_shard
+from tfdist.fsdp._fully_shard import (
+    _REPLICATE, FSDPModule, _default_mesh, _group_states, _retrace_keras_steps, fsdp_class, fully_shard,
+)
 from tfdist.fsdp._policies import MixedPrecisionPolicy
 from tfdist.fsdp import _optim_state, _state_dict
 from tfdist.fsdp._state_dict import StateDictSettings, StateDictType
@@ -155,13 +157,28 @@ class _FSDP1Methods:
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Gradients of sharded variables are always reduced in TF (see
-        ``FSDPModule.set_requires_gradient_sync``): the block runs as usual, with a warning."""
-        warnings.warn(
-            "no_sync has no effect in TensorFlow: gradients of sharded variables are always reduced; "
-            "use optimizer(gradient_accumulation_steps=k) to accumulate.", UserWarning, stacklevel=3,
-        )
-        yield
+        """Inside the block, backward passes hold their gradients unreduced (no reduce-scatter) and
+        give zero gradients; the first backward after it adds the held sums and reduces once
+        (``FSDPModule.set_requires_gradient_sync(False)`` on every unit of this tree, restored on
+        exit).  As there, a ``tf.function`` step keeps the setting it was traced with.
+
+        Example::
+
+            with model.no_sync():
+                grads_fn(x0, y0)          # held, nothing reduced
+            grads = grads_fn_synced(x1, y1)   # the sum over both micro-batches
+        """
+        states = [s for unit in _fsdp1_units(self) for s in _group_states(unit, recurse=False)]
+        before = [s.grad_sync.enabled for s in states]
+        for s in states:
+            s.grad_sync.enabled = False
+        _retrace_keras_steps(self)
+        try:
+            yield
+        finally:
+            for s, enabled in zip(states, before):
+                s.grad_sync.enabled = enabled
+            _retrace_keras_steps(self)
 
 
 def _strategy_args(strategy: ShardingStrategy) -> dict:

@@ -30,6 +30,7 @@ from tfdist.device_mesh import DeviceMesh, _mesh_stack, init_device_mesh
 from tfdist.fsdp._collectives import (
     ShardedParam, gathered_with_sliced_grad, per_shard_call, sharded_einsum, sharded_lookup,
 )
+from tfdist.fsdp._grad_sync import GradientSync
 from tfdist.fsdp._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from tfdist.tensor._modules import ModuleBackend, module_backend, replicate_unplaced
 from tfdist.tensor.parallel.style import as_tf, batch_replicated, on_mesh
@@ -76,12 +77,35 @@ class FSDPModule:
         return UnshardHandle() if async_op else None
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        """Gradients w.r.t. a sharded variable are always reduced (TF gradients have the
-        variable's global shape; a per-device unreduced gradient has no such form).  For
-        gradient accumulation use Keras' ``optimizer(gradient_accumulation_steps=k)``: the same
-        result as one large batch, with one reduce-scatter per micro-batch."""
-        if not requires_gradient_sync:
-            _noop("set_requires_gradient_sync(False)", "gradients of sharded variables are always reduced")
+        """With False, the backward holds each gradient unreduced (the stacked per-device partial
+        FSDP would reduce-scatter: no communication) and gives the parameter a zero gradient; the
+        next backward with True adds the held sum and reduce-scatters once -- torch's gradient
+        accumulation without a reduction per micro-batch.  ``recurse`` sets every FSDP module
+        inside too.  A layer FSDP cannot see inside (the gathered route) still has its gradient
+        all-reduced by TF's op; it is held as its local slice.
+
+        The setting is read when the backward is built: inside a ``tf.function`` step, set it
+        from a Python argument so each setting gets its own trace.
+
+        Example::
+
+            @tf.function
+            def accumulate(x, y, sync):
+                model.set_requires_gradient_sync(sync)
+                with tf.GradientTape() as tape:
+                    loss = loss_fn(y, model(x))
+                return tape.gradient(loss, model.trainable_variables)
+
+            for i, (x, y) in enumerate(micro_batches):
+                grads = accumulate(x, y, sync=i == len(micro_batches) - 1)
+            optimizer.apply(grads)   # the sum over the micro-batches
+        """
+        if not isinstance(requires_gradient_sync, (bool, int)):
+            raise ValueError("set_requires_gradient_sync(requires_gradient_sync) must be a bool. "
+                             f"Received: {requires_gradient_sync!r}")
+        for state in _group_states(self, recurse):
+            state.grad_sync.enabled = bool(requires_gradient_sync)
+        _retrace_keras_steps(self)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """A no-op: full parameters never outlive the traced step in TF."""
@@ -150,6 +174,25 @@ class _FSDPState:
         self.params: list[tuple[Any, ShardedParam]] = []
         self.divide_factor: float | None = None
         self.all_reduce_hook: Callable[[tf.Tensor], tf.Tensor | None] | None = None
+        self.grad_sync = GradientSync()
+
+
+def _retrace_keras_steps(module: Any) -> None:
+    """A Keras model's cached train/test steps were traced with the old gradient-sync setting:
+    dropped, so the next ``fit`` traces them again."""
+    for name in ("train_function", "test_function", "predict_function"):
+        if getattr(module, name, None) is not None:
+            setattr(module, name, None)
+
+
+def _group_states(module: Any, recurse: bool) -> list[_FSDPState]:
+    """The FSDP state of ``module`` and, with ``recurse``, of every FSDP module inside it."""
+    if not recurse:
+        own = _registry.module_if_any(module)
+        return [own.fsdp] if own is not None and own.fsdp is not None else []
+    modules = module_backend(module, "FSDPModule")
+    found = (_registry.module_if_any(layer) for _, layer in modules.named_layers(module))
+    return [own.fsdp for own in found if own is not None and own.fsdp is not None]
 
 
 def _shard(modules: ModuleBackend, variable: Any, param: ShardedParam, state: _FSDPState) -> tf.Tensor:
@@ -369,7 +412,8 @@ def fully_shard(
         shard_specs = list(specs)
         if d is not None:
             shard_specs[d] = dp
-        param = ShardedParam(dtensor.Layout(shard_specs, tf_mesh), dtensor.Layout(specs, tf_mesh), d, dp)
+        param = ShardedParam(dtensor.Layout(shard_specs, tf_mesh), dtensor.Layout(specs, tf_mesh), d, dp,
+                             sync=state.grad_sync)
         plans.append((layer, name, variable, param))
     modules.attach_mesh(module, mesh, dp_dim)
     for layer, name, variable, param in plans:
