@@ -47,6 +47,7 @@ tfdist.virtual_cpus(8)
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from tensorflow.experimental import dtensor  # noqa: E402
+from tensorflow.python.eager import context  # noqa: E402
 
 from _common import executed_collective_bytes, print_table, write_results  # noqa: E402
 from tfdist.fsdp import fully_shard  # noqa: E402
@@ -241,6 +242,7 @@ def accumulation_rows() -> list[dict]:
         for name, (accumulate, *_rest) in runs.items():
             start = time.perf_counter()
             accumulate()
+            context.async_wait()  # TF may return before its ops have run
             times[name].append((time.perf_counter() - start) * 1e3)
     rows, base = [], None
     for name, (_, comm, _, model) in runs.items():

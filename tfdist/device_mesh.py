@@ -510,6 +510,16 @@ def _mesh_stack() -> list[DeviceMesh]:
     return _current.stack
 
 
+def default_data_parallel_mesh() -> DeviceMesh:
+    """torch's default for FSDP and DDP: the innermost ``with mesh:``, else every device on one
+    data-parallel dim ``dp``."""
+    stack = _mesh_stack()
+    if stack:
+        return stack[-1]
+    kind = _runtime.detect_device_type()
+    return init_device_mesh(kind, (_runtime.num_global_devices(kind),), mesh_dim_names=("dp",))
+
+
 def resolve_mesh(device_mesh: DeviceMesh | None, caller: str) -> DeviceMesh:
     """``device_mesh`` if given, else the innermost ``with mesh:``; else a clear error."""
     if device_mesh is None:

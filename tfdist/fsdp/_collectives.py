@@ -22,7 +22,10 @@ from typing import Callable
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from tfdist.fsdp._gather_order import GatherOrder
 from tfdist.fsdp._grad_sync import GradientSync
+from tfdist.tensor._per_device import per_device_call
+from tfdist.tensor._per_device import split_batch as _split_batch
 from tfdist.tensor._redistribute import reduce_scatter_move, relayout
 
 __all__ = [
@@ -40,7 +43,8 @@ class ShardedParam:
     same without ``dp`` (other mesh dims, e.g. tensor parallel, kept).
     ``dim`` is None for a parameter left replicated on ``dp`` (no dim
     divides evenly).  ``sync``: its group's gradient-sync switch (None:
-    always reduced).
+    always reduced); ``order``: when its group's gathers may start (None:
+    each waits for its layer).
     """
 
     shard_layout: dtensor.Layout
@@ -48,6 +52,14 @@ class ShardedParam:
     dim: int | None
     dp: str
     sync: GradientSync | None = dataclasses.field(default=None, compare=False, repr=False)
+    order: GatherOrder | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    def forward_wait(self, own: tf.Tensor) -> list[tf.Tensor]:
+        """Control inputs of this parameter's forward gather: its layer's input ``own``, or what a
+        prefetching group set (``GatherOrder``); nothing outside a traced step."""
+        if self.order is not None:
+            return self.order.forward_wait(own)
+        return [own] if tf.inside_function() else []
 
     @property
     def sharded(self) -> bool:
@@ -90,7 +102,7 @@ def gathered_with_sliced_grad(
 
     @tf.custom_gradient
     def gathered(value):
-        deps = [after] if after is not None and tf.inside_function() else []
+        deps = param.forward_wait(after) if after is not None else []
         with tf.control_dependencies(deps):
             full = gather(value, param, dtype)
 
@@ -100,13 +112,6 @@ def gathered_with_sliced_grad(
         return full, grad
 
     return gathered(value)
-
-
-def _split_batch(x: tf.Tensor, specs: list[str], parts: int, mesh: dtensor.Mesh) -> tf.Tensor:
-    """Dim 0 (sharded on dp) -> ``[parts, B/parts]``, the first sharded: a local reshape."""
-    shape = tf.unstack(tf.shape(x)) if None in x.shape.as_list() else x.shape.as_list()
-    new_shape = [parts, shape[0] // parts] + list(shape[1:])
-    return dtensor.relayout(tf.reshape(x, new_shape), dtensor.Layout([specs[0], UNSHARDED] + specs[1:], mesh))
 
 
 def _reduce_scatter_stacked(
@@ -196,7 +201,7 @@ def sharded_einsum(
         # relayouted inside: TF's own gradient of a relayout (RelayoutLike) mis-propagates
         # layouts (docs/tf_dtensor_repros/rowwise_sequence_shard_output.py)
         x = dtensor.relayout(x, x_layout)
-        with tf.control_dependencies([x] if tf.inside_function() else []):
+        with tf.control_dependencies(param.forward_wait(x)):
             full = gather(kernel, param, dtype)
         y = tf.einsum(equation, x, full)
         if bias is not None:
@@ -205,11 +210,15 @@ def sharded_einsum(
 
         def grad(dy):
             dy = dtensor.relayout(tf.cast(dy, dtype), y_layout)
+            _publish(param, lambda: _device_zeros(dy, y_specs, parts, mesh, batch_sharded), after_compute=False)
             if regather is not None and param.sharded:
-                again = gather(_tied_to(regather(), dy, param, y_specs, parts, batch_sharded), param, dtype)
+                zeros = _device_zeros(dy, y_specs, parts, mesh, batch_sharded)
+                tie = param.order.backward_tie(zeros) if param.order is not None else zeros
+                again = gather(_tied_to(regather(), tie, param, parts), param, dtype)
             else:
                 again = full
             dx = dtensor.relayout(tf.einsum(f"{out},{ker}->{inp}", dy, again), x_layout)
+            _publish(param, lambda: _device_zeros(dx, x_specs, parts, mesh, batch_sharded), after_compute=True)
             rdtype = reduce_dtype or dtype
             grads = [dx]
             if batch_sharded:
@@ -231,25 +240,39 @@ def sharded_einsum(
     return product(*args)
 
 
-def _tied_to(
-    shard: tf.Tensor, dy: tf.Tensor, param: ShardedParam, dy_specs: list[str], parts: int, batch_sharded: bool,
+def _device_zeros(
+    t: tf.Tensor, specs: list[str], parts: int, mesh: dtensor.Mesh, batch_sharded: bool,
 ) -> tf.Tensor:
-    """``shard`` plus zeros computed from ``dy``: the backward's all-gather then waits for the
-    gradient and is not merged with the forward's (TF's MLIR CSE merges two reads of a variable
-    with no write between, and then the two gathers) -- so the forward copy can be freed.
-    No communication: each device zeroes its own rows of ``dy``."""
-    mesh, d = param.shard_layout.mesh, param.dim
+    """Zeros computed from ``t``, no communication: ``[N]`` on dp (each device zeroes its own
+    rows) when ``t``'s dim 0 is the batch sharded on dp, else a scalar."""
     if batch_sharded:
-        dys = _split_batch(dy, dy_specs, parts, mesh)
-        own = tf.reduce_sum(dys, axis=list(range(1, dys.shape.rank)))  # [N] on dp, local
+        ts = _split_batch(t, specs, parts, mesh)
+        return tf.reduce_sum(ts, axis=list(range(1, ts.shape.rank))) * 0
+    return tf.reduce_sum(t) * 0
+
+
+def _publish(param: ShardedParam, zeros, *, after_compute: bool) -> None:
+    """Tells the groups ``param``'s group prefetches in the backward that it has started
+    (``zeros``: a tensor, or a function making it, run only when some group listens)."""
+    order = param.order
+    if order is None or not order.backward_targets or after_compute != order.backward_post:
+        return
+    order.backward_publish(zeros() if callable(zeros) else zeros, after_compute=after_compute)
+
+
+def _tied_to(shard: tf.Tensor, zeros: tf.Tensor, param: ShardedParam, parts: int) -> tf.Tensor:
+    """``shard`` plus ``zeros`` (from ``_device_zeros`` of the gradient the gather must wait
+    for): the backward's all-gather then waits for it and is not merged with the forward's
+    (TF's MLIR CSE merges two reads of a variable with no write between, and then the two
+    gathers) -- so the forward copy can be freed.  No communication."""
+    mesh, d = param.shard_layout.mesh, param.dim
+    if zeros.shape.rank == 1:  # [N] on dp: each device's own zero, spread over its rows of the shard dim
         size = shard.shape[d]
-        zeros = tf.reshape(tf.broadcast_to(tf.reshape(own * 0, [parts, 1]), [parts, size // parts]), [size])
-        zeros = dtensor.relayout(zeros, dtensor.Layout([param.dp], mesh))
+        spread = tf.reshape(tf.broadcast_to(tf.reshape(zeros, [parts, 1]), [parts, size // parts]), [size])
+        spread = dtensor.relayout(spread, dtensor.Layout([param.dp], mesh))
         shape = [1] * shard.shape.rank
         shape[d] = size
-        zeros = tf.reshape(zeros, shape)
-    else:
-        zeros = tf.reduce_sum(dy) * 0
+        zeros = tf.reshape(spread, shape)
     return shard + tf.cast(zeros, shard.dtype)
 
 
@@ -306,13 +329,16 @@ def sharded_lookup(
 
     @tf.custom_gradient
     def lookup(table):
-        with tf.control_dependencies([ids] if tf.inside_function() else []):
+        with tf.control_dependencies(param.forward_wait(ids)):
             full = gather(table, param, dtype)
         y = dtensor.relayout(tf.gather(full, ids), dtensor.Layout(out_specs, mesh))
 
         def grad(dy):
             rdtype = reduce_dtype or dtype
             dy = dtensor.relayout(tf.cast(dy, rdtype), dtensor.Layout(out_specs, mesh))
+            for after_compute in (False, True):  # a lookup's backward has no input gradient to wait for
+                _publish(param, lambda: _device_zeros(dy, out_specs, parts, mesh, batch_sharded),
+                         after_compute=after_compute)
             if not batch_sharded:
                 one_hot = tf.one_hot(ids, vocab, dtype=rdtype)
                 return _scatter_grad(tf.einsum(f"{lead}v,{lead}d->vd", one_hot, dy), param, table.dtype)
@@ -331,12 +357,6 @@ def sharded_lookup(
         return y, grad
 
     return lookup(table)
-
-
-def _merge_batch(xs: tf.Tensor, specs: list[str], mesh: dtensor.Mesh) -> tf.Tensor:
-    """``[parts, B/parts, ...]`` -> ``[B, ...]`` (the inverse of ``_split_batch``): local."""
-    shape = tf.unstack(tf.shape(xs)) if None in xs.shape.as_list() else xs.shape.as_list()
-    return dtensor.relayout(tf.reshape(xs, [shape[0] * shape[1]] + list(shape[2:])), dtensor.Layout(specs, mesh))
 
 
 def per_shard_call(
@@ -366,48 +386,27 @@ def per_shard_call(
     param0 = params[0]
     mesh, dp = param0.shard_layout.mesh, param0.dp
     parts = mesh.dim_size(dp)
-    x_specs = [dp] + [UNSHARDED] * (x.shape.rank - 1)
-    rows = x.shape[0] // parts if x.shape[0] is not None else None
     stacked_specs = [[dp] + list(p.full_layout.sharding_specs) for p in params]
 
-    def one_shard(args):
-        y = fn(args[0], list(args[1:]))
-        if not isinstance(y, tf.Tensor) or y.shape.rank in (None, 0) or (
-                rows is not None and y.shape[0] is not None and y.shape[0] != rows):
-            raise ValueError(f"per_shard_call: the output is not one row-wise tensor (rows {rows}): {y!r}")
-        return y
+    def rows(t):  # zeros from a tensor whose dim 0 is the rows on dp (prefetch triggers)
+        return _device_zeros(t, [dp] + [UNSHARDED] * (t.shape.rank - 1), parts, mesh, True)
 
-    # every relayout sits inside: TF's own gradient of a relayout (RelayoutLike) mis-propagates
-    # layouts (docs/tf_dtensor_repros/rowwise_sequence_shard_output.py); the backward relayouts itself
-    @tf.custom_gradient
-    def run(x, *shards):
-        x = dtensor.relayout(x, dtensor.Layout(x_specs, mesh))
-        with tf.control_dependencies([x] if tf.inside_function() else []):
+    def stack(x, shards):
+        with tf.control_dependencies(param0.forward_wait(x)):
             fulls = [gather(s, p, dtype) for s, p in zip(shards, params)]
-        copies = [dtensor.relayout(tf.broadcast_to(tf.expand_dims(f, 0), [parts] + f.shape.as_list()),
-                                   dtensor.Layout(specs, mesh)) for f, specs in zip(fulls, stacked_specs)]
-        xs = _split_batch(x, x_specs, parts, mesh)
-        with tf.GradientTape() as tape:
-            tape.watch([xs] + copies)
-            ys = tf.vectorized_map(one_shard, (xs, *copies), fallback_to_while_loop=False)
-        y_specs = [dp] + [UNSHARDED] * (ys.shape.rank - 2)
-        y = _merge_batch(ys, y_specs, mesh)
+        return [dtensor.relayout(tf.broadcast_to(tf.expand_dims(f, 0), [parts] + f.shape.as_list()),
+                                 dtensor.Layout(specs, mesh)) for f, specs in zip(fulls, stacked_specs)]
 
-        def grad(dy):
-            dys = _split_batch(dtensor.relayout(tf.cast(dy, y.dtype), dtensor.Layout(y_specs, mesh)), y_specs, parts,
-                               mesh)
-            grads = tape.gradient(ys, [xs] + copies, output_gradients=dys)
-            dx = None if grads[0] is None else _merge_batch(tf.convert_to_tensor(grads[0]), x_specs, mesh)  # ids: none
-            dws = []
-            for g, p, s, specs in zip(grads[1:], params, shards, stacked_specs):
-                if g is None:  # a weight this call does not use (an untied embedding's other table)
-                    dws.append(None)
-                    continue
-                g = tf.convert_to_tensor(g)  # a lookup's IndexedSlices: dense, the copy's shape
-                g = dtensor.relayout(tf.cast(g, reduce_dtype or g.dtype), dtensor.Layout(specs, mesh))
-                dws.append(_reduce_scatter_stacked(g, specs, p, s.dtype))
-            return (dx,) + tuple(dws)
+    def reduce_scatter(grads, dy, dx):
+        _publish(param0, lambda: rows(dy), after_compute=False)
+        _publish(param0, lambda: rows(dy if dx is None else dx), after_compute=True)
+        out = []
+        for g, p, s, specs in zip(grads, params, shards, stacked_specs):
+            if g is None:  # a weight this call does not use (an untied embedding's other table)
+                out.append(None)
+                continue
+            g = dtensor.relayout(tf.cast(g, reduce_dtype or g.dtype), dtensor.Layout(specs, mesh))
+            out.append(_reduce_scatter_stacked(g, specs, p, s.dtype))
+        return out
 
-        return y, grad
-
-    return run(x, *shards)
+    return per_device_call(fn, x, shards, mesh=mesh, dp=dp, stack=stack, unstack_grads=reduce_scatter)

@@ -13,15 +13,14 @@ from __future__ import annotations
 import contextlib
 import enum
 import math
-import warnings
 from typing import Any, Callable, Iterator
 
 import tensorflow as tf
 
 from tfdist import _registry, _runtime
-from tfdist.device_mesh import DeviceMesh
+from tfdist.device_mesh import DeviceMesh, default_data_parallel_mesh
 from tfdist.fsdp._fully_shard import (
-    _REPLICATE, FSDPModule, _default_mesh, _group_states, _retrace_keras_steps, fsdp_class, fully_shard,
+    _REPLICATE, FSDPModule, _group_states, _retrace_keras_steps, fsdp_class, fully_shard,
 )
 from tfdist.fsdp._policies import MixedPrecisionPolicy
 from tfdist.fsdp import _optim_state, _state_dict
@@ -192,6 +191,24 @@ def _strategy_args(strategy: ShardingStrategy) -> dict:
     return {"reshard_after_forward": strategy == ShardingStrategy.FULL_SHARD}
 
 
+def _chain_prefetch(modules, root: Any, units: list[Any], forward: bool, backward: BackwardPrefetch | None) -> None:
+    """FSDP1's prefetch arguments as FSDP2's lists: the units in forward order (the root first,
+    then its units as the model lists them), each prefetching the next one in the forward
+    (``forward_prefetch``) and, with ``backward_prefetch``, the one before it in the backward (the
+    root's backward starts with its last layers, so the root prefetches the last unit)."""
+    position = {id(layer): i for i, (_, layer) in enumerate(modules.named_layers(root))}
+    ordered = sorted(units, key=lambda u: position[id(u)])
+    chain = [root] + ordered
+    if forward:
+        for a, b in zip(chain, chain[1:]):
+            a.set_modules_to_forward_prefetch([b])
+    if backward is not None and ordered:
+        backward_chain = [root] + ordered[::-1]
+        for a, b in zip(backward_chain, backward_chain[1:]):
+            a.set_modules_to_backward_prefetch([b])
+            a._fsdp_state.order.backward_post = backward == BackwardPrefetch.BACKWARD_POST
+
+
 _UNIT_ARGS = {"sharding_strategy", "mixed_precision"}  # what a CustomPolicy dict may set per unit
 _NO_TF_MEANING = {"backward_prefetch", "forward_prefetch", "limit_all_gathers", "use_orig_params", "device_id",
                   "sync_module_states", "param_init_fn"}  # per unit: applied once, for the whole model
@@ -234,9 +251,11 @@ class FullyShardedDataParallel(metaclass=_FSDP1Meta):
     devices when None).  ``process_group`` must be None.
     ``param_init_fn(layer)`` is called on every layer that owns weights
     before sharding; ``sync_module_states=True`` gives every client client
-    0's weights first (multi-client).  ``backward_prefetch``,
-    ``forward_prefetch``, ``limit_all_gathers``, ``use_orig_params`` and
-    ``device_id`` have no TF meaning and are accepted (docs/fsdp.md says why).
+    0's weights first (multi-client).  ``forward_prefetch`` and
+    ``backward_prefetch`` order the all-gathers (each unit starts the next
+    one's, as ``FSDPModule.set_modules_to_forward_prefetch`` does).
+    ``limit_all_gathers``, ``use_orig_params`` and ``device_id`` have no TF
+    meaning and are accepted (docs/fsdp.md says why).
 
     Example::
 
@@ -267,6 +286,9 @@ class FullyShardedDataParallel(metaclass=_FSDP1Meta):
                 f"Received: {sharding_strategy!r}"
             )
         args = _strategy_args(strategy)
+        if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
+            raise ValueError(f"FullyShardedDataParallel({name!r}): backward_prefetch must be a BackwardPrefetch or "
+                             f"None. Received: backward_prefetch={backward_prefetch!r}")
         if cpu_offload is not None and cpu_offload.offload_params:
             raise NotImplementedError(
                 f"FullyShardedDataParallel({name!r}): CPUOffload(offload_params=True) is not supported: a TF "
@@ -290,6 +312,7 @@ class FullyShardedDataParallel(metaclass=_FSDP1Meta):
         for layer in [unit for unit, _ in units] + [module]:
             layer.__class__ = fsdp_class(type(layer), (_FSDP1Methods,))
             _registry.module(layer).fsdp1_root = layer is module
+        _chain_prefetch(modules, module, [unit for unit, _ in units], forward_prefetch, backward_prefetch)
         return module
 
     # what the returned units have, at torch's paths (FullyShardedDataParallel.no_sync, ...)
@@ -410,7 +433,7 @@ def _sync_from_client_0(modules, module: Any, device_mesh: DeviceMesh | None) ->
     clients that initialised differently shard one model.  One client: nothing to do."""
     if not _runtime.is_multi_client():
         return
-    root = (device_mesh if device_mesh is not None else _default_mesh()).root_mesh
+    root = (device_mesh if device_mesh is not None else default_data_parallel_mesh()).root_mesh
     for variable in modules.variables(module):
         if modules.is_placed(variable):
             continue  # laid out already (e.g. tensor parallel first): built from each client's values

@@ -25,11 +25,12 @@ from typing import Any, Callable, Iterable
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from tfdist import _registry, _runtime
-from tfdist.device_mesh import DeviceMesh, _mesh_stack, init_device_mesh
+from tfdist import _registry
+from tfdist.device_mesh import DeviceMesh, default_data_parallel_mesh
 from tfdist.fsdp._collectives import (
     ShardedParam, gathered_with_sliced_grad, per_shard_call, sharded_einsum, sharded_lookup,
 )
+from tfdist.fsdp._gather_order import GatherOrder
 from tfdist.fsdp._grad_sync import GradientSync
 from tfdist.fsdp._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from tfdist.tensor._modules import ModuleBackend, module_backend, replicate_unplaced
@@ -44,10 +45,6 @@ class UnshardHandle:
 
     def wait(self) -> None:
         """Nothing to wait for: see ``FSDPModule.unshard``."""
-
-
-def _noop(method: str, why: str) -> None:
-    warnings.warn(f"FSDPModule.{method} has no effect in TensorFlow: {why}", UserWarning, stacklevel=3)
 
 
 class FSDPModule:
@@ -70,10 +67,19 @@ class FSDPModule:
         last use), so there is nothing to free between steps: a no-op."""
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
-        """A no-op with a warning: in TF, parameters are all-gathered inside the traced step,
-        where the executor schedules the collective itself; a gather made outside a step cannot
-        be handed to it."""
-        _noop("unshard", "the all-gather runs inside each traced step, scheduled by TF's executor")
+        """Inside a traced step: this module's forward all-gathers wait for nothing, so TF may
+        run them from the step's start (torch issues them now).  Eagerly a no-op: TF runs each
+        gather when its layer is called, and a sharded variable reads as its full value
+        anywhere.  With ``async_op`` returns a handle whose ``wait()`` returns at once.
+
+        Example::
+
+            @tf.function
+            def step(x):
+                model.blocks[1].unshard()   # block 1's gathers overlap block 0's compute
+                return model(x)
+        """
+        self._fsdp_state.order.unshard_now()
         return UnshardHandle() if async_op else None
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
@@ -114,12 +120,27 @@ class FSDPModule:
         """A no-op: TF's executor finishes every pending reduction before the step returns."""
 
     def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
-        """A no-op with a warning: TF's executor orders the all-gathers within the step."""
-        _noop("set_modules_to_forward_prefetch", "TF's executor orders collectives within the traced step")
+        """At the start of this module's forward, the listed modules' all-gathers may start: they
+        wait for this module's input instead of their own layer's (TF's executor then runs them
+        while this module computes), in the order listed.
+
+        Example::
+
+            for i, block in enumerate(model.blocks[:-1]):
+                block.set_modules_to_forward_prefetch([model.blocks[i + 1]])
+        """
+        self._fsdp_state.order.forward_targets = _orders_of(modules, "set_modules_to_forward_prefetch")
 
     def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
-        """A no-op with a warning: TF's executor orders the all-gathers within the step."""
-        _noop("set_modules_to_backward_prefetch", "TF's executor orders collectives within the traced step")
+        """At the start of this module's backward, the listed modules' backward all-gathers may
+        start: they wait for this module's output gradient instead of their own layer's.
+
+        Example::
+
+            for i, block in enumerate(model.blocks[1:], 1):
+                block.set_modules_to_backward_prefetch([model.blocks[i - 1]])
+        """
+        self._fsdp_state.order.backward_targets = _orders_of(modules, "set_modules_to_backward_prefetch")
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Gradients are summed over the batch shards (Keras losses already average over the
@@ -175,6 +196,14 @@ class _FSDPState:
         self.divide_factor: float | None = None
         self.all_reduce_hook: Callable[[tf.Tensor], tf.Tensor | None] | None = None
         self.grad_sync = GradientSync()
+        self.order = GatherOrder()
+
+
+def _orders_of(modules: Any, method: str) -> list[GatherOrder]:
+    if not isinstance(modules, (list, tuple)) or not all(isinstance(m, FSDPModule) for m in modules):
+        raise ValueError(f"FSDPModule.{method}(modules) must be a list of FSDP modules (fully_shard applied). "
+                         f"Received: {modules!r}")
+    return [m._fsdp_state.order for m in modules]
 
 
 def _retrace_keras_steps(module: Any) -> None:
@@ -234,15 +263,6 @@ def fsdp_class(cls: type, mixins: tuple[type, ...] = ()) -> type:
     if key not in _CLASSES:
         _CLASSES[key] = type(f"FSDP{cls.__name__}", (cls, FSDPModule) + mixins, {"__module__": cls.__module__})
     return _CLASSES[key]
-
-
-def _default_mesh() -> DeviceMesh:
-    """torch's default: every device, one data-parallel dim (or the innermost ``with mesh:``)."""
-    stack = _mesh_stack()
-    if stack:
-        return stack[-1]
-    kind = _runtime.detect_device_type()
-    return init_device_mesh(kind, (_runtime.num_global_devices(kind),), mesh_dim_names=("dp",))
 
 
 def _check_args(module: Any, mesh: DeviceMesh, reshard_after_forward: Any, mp_policy: Any, offload_policy: Any,
@@ -384,7 +404,7 @@ def fully_shard(
         return module
     modules = module_backend(module, "fully_shard")
     path = modules.layer_name(module)
-    mesh = mesh if mesh is not None else _default_mesh()
+    mesh = mesh if mesh is not None else default_data_parallel_mesh()
     _check_args(module, mesh, reshard_after_forward, mp_policy, offload_policy, path)
     if not modules.is_built(module):
         raise ValueError(
@@ -413,7 +433,7 @@ def fully_shard(
         if d is not None:
             shard_specs[d] = dp
         param = ShardedParam(dtensor.Layout(shard_specs, tf_mesh), dtensor.Layout(specs, tf_mesh), d, dp,
-                             sync=state.grad_sync)
+                             sync=state.grad_sync, order=state.order)
         plans.append((layer, name, variable, param))
     modules.attach_mesh(module, mesh, dp_dim)
     for layer, name, variable, param in plans:
