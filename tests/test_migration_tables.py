@@ -64,11 +64,9 @@ def test_the_name_list_covers_the_specification_once():
 def test_refused_names_raise_with_the_reason():
     """The refusals the table lists are real: the call raises NotImplementedError saying why."""
     import tfdist.fsdp as fsdp
-    from tfdist.optim import PostLocalSGDOptimizer
 
     refused = {e["torch"] for e in TORCH_NAMES if e["status"] == "refused"}
-    assert refused == {"torch.distributed.fsdp.CPUOffloadPolicy", "torch.distributed.fsdp.CPUOffload",
-                       "torch.distributed.optim.PostLocalSGDOptimizer"}
+    assert refused == {"torch.distributed.fsdp.CPUOffloadPolicy", "torch.distributed.fsdp.CPUOffload"}
     import keras
 
     layer = keras.layers.Dense(4)
@@ -78,8 +76,6 @@ def test_refused_names_raise_with_the_reason():
     with pytest.raises(NotImplementedError, match="CPUOffload"):
         fsdp.FullyShardedDataParallel(keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)]),
                                       cpu_offload=fsdp.CPUOffload(offload_params=True))
-    with pytest.raises(NotImplementedError):
-        PostLocalSGDOptimizer(keras.optimizers.SGD(), None)
 
 
 @pytest.mark.parametrize("concept", CONCEPTS, ids=lambda c: c["tf"])

@@ -91,12 +91,9 @@ def test_bad_arguments():
         ZeroRedundancyOptimizer(None, keras.optimizers.Adam, mesh=mesh)
 
 
-def test_post_local_sgd_is_refused_with_the_reason():
-    """The reason, reproduced: a 'replicated' DTensor cannot hold diverging copies -- TF reads one."""
-    from tfdist.optim import PostLocalSGDOptimizer
-
-    with pytest.raises(NotImplementedError, match="one global value"):
-        PostLocalSGDOptimizer(keras.optimizers.SGD(0.1), averager=None)
+def test_a_replicated_layout_cannot_hold_diverging_copies():
+    """Why DistributedDataParallel's replicas are a stacked [R, ...] variable sharded on dp: a
+    'replicated' DTensor given diverging copies computes with one of them."""
     mesh = dtensor.create_mesh([("dp", 8)], device_type="CPU")
     copies = dtensor.pack([tf.constant([float(i)]) for i in range(8)], dtensor.Layout.replicated(mesh, 1))
     assert float(tf.reduce_sum(copies).numpy()) == 0.0  # not 28: TF computes with one copy

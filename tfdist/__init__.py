@@ -32,6 +32,7 @@ from tfdist._runtime import (
     virtual_cpus,
 )
 from tfdist.device_mesh import DeviceMesh, init_device_mesh
+from tfdist.nn.parallel._grad_bucket import GradBucket
 from tfdist.tensor._factory import manual_seed
 from tfdist._runtime import apply_launcher_devices as _apply_launcher_devices
 
@@ -52,4 +53,5 @@ __all__ = [
     "init_device_mesh",
     "tensor",
     "manual_seed",
+    "GradBucket",
 ]

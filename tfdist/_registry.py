@@ -35,6 +35,7 @@ class ModuleState:
     weight_layouts: dict[str, Callable[[int], Any]] = dataclasses.field(default_factory=dict)  # before build
     fsdp: Any = None  # fully_shard's _FSDPState
     fsdp_style: Any = None  # the FSDPStyle gathering this layer's weights where used
+    ddp: Any = None  # DistributedDataParallel's replicas and comm hook
     fsdp1_root: bool = False  # FullyShardedDataParallel: the root unit
     state_dict_settings: Any = None  # FSDP1 state_dict_type settings of this unit
 
@@ -45,6 +46,7 @@ class VariableState:
 
     layout_fn: Callable[[int], Any] | None = None  # created before its values exist: its layout then
     logical_shape: tuple[int, ...] | None = None  # a DVariable stored padded: the shape Keras sees
+    replicas_of: Any = None  # DistributedDataParallel's stacked replicas [R, ...] of this module variable
 
 
 @dataclasses.dataclass
@@ -52,6 +54,7 @@ class OptimizerState:
     """An optimizer whose slots are laid out unlike their variables (ZeroRedundancyOptimizer)."""
 
     slot_layout: Callable[..., Any] | None = None
+    averager: Any = None  # PostLocalSGDOptimizer's model averager
 
 
 S = TypeVar("S")

@@ -280,6 +280,11 @@ class KerasModules:
     def is_placed(self, variable: Any) -> bool:
         return _variables.is_dtensor_variable(variable)
 
+    def new_variable(self, value: tf.Tensor, layout: dtensor.Layout, name: str, trainable: bool) -> Any:
+        variable = keras.Variable(value, trainable=trainable, name=name, dtype=value.dtype.name)
+        _variables.to_dvariable(variable, layout)
+        return variable
+
     def variable_layout(self, variable: Any) -> dtensor.Layout | None:
         if not _variables.is_dtensor_variable(variable):
             return None

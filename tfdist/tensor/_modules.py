@@ -138,6 +138,9 @@ class ModuleBackend(Protocol):
     def is_placed(self, variable: Any) -> bool:
         """True when the variable already lives on a mesh."""
 
+    def new_variable(self, value: Any, layout: dtensor.Layout, name: str, trainable: bool) -> Any:
+        """A new variable of the framework (not owned by a layer) holding ``value`` on ``layout``."""
+
     def variable_layout(self, variable: Any) -> dtensor.Layout | None:
         """The layout of a variable on a mesh (None when it is not on one)."""
 
