@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import tfdist
-from keras_helpers import no_global_distribution, sum_sq_grads  # noqa: F401
+from keras_helpers import no_global_distribution, sum_sq_grads, traced_sum_sq_grads  # noqa: F401
 from tfdist.fsdp import FullyShardedDataParallel as FSDP
 from tfdist.fsdp import fully_shard
 from tfdist.keras._data import gather_to_numpy
@@ -146,3 +146,57 @@ def test_keras_fit_retraces_after_the_setting_changes():
     model.fit(x, y, batch_size=16, epochs=1, verbose=0)  # zero gradients: SGD leaves the weights
     for a, v in zip(before, model.trainable_variables):
         np.testing.assert_array_equal(v.numpy(), a)
+
+
+# -- FSDP1 communication hooks (the same choke point: what reduces the stacked gradient) ------------
+
+def test_fsdp1_comm_hooks_reduce_the_stacked_gradient():
+    """fp16_compress_hook: the reduce-scatter in float16 (half the bytes), values close to one device;
+    a custom hook scaling before FSDP's reduce-scatter scales the result exactly; allreduce_hook
+    all-reduces (NO_SHARD's reduction) and equals one device."""
+    from tfdist.algorithms._comm_hooks import default_hooks
+
+    x = MICRO[0]
+    want = sum_sq_grads(make(), x)
+    mesh = tfdist.init_device_mesh("cpu", (N,), mesh_dim_names=("dp",))
+
+    def traced(model):
+        return traced_sum_sq_grads(model, x)
+
+    plain, plain_comm = traced(FSDP(make(), device_mesh=mesh))
+    model = FSDP(make(), device_mesh=mesh)
+    model.register_comm_hook(default_hooks.LowPrecisionState(), default_hooks.fp16_compress_hook)
+    grads, comm = traced(model)
+    assert comm.get_comm_counts()["reduce_scatter_tensor"] == plain_comm.get_comm_counts()["reduce_scatter_tensor"]
+    assert comm.get_comm_bytes()["reduce_scatter_tensor"] == pytest.approx(
+        plain_comm.get_comm_bytes()["reduce_scatter_tensor"] / 2)
+    for a, b in zip(want, grads):
+        np.testing.assert_allclose(gather_to_numpy(b), a.numpy(), rtol=2e-2, atol=2e-2)
+    assert_grads(plain, [g.numpy() for g in want])
+
+    model = FSDP(make(), device_mesh=mesh)
+    model.register_comm_hook(None, lambda state, g: default_hooks.reduce_scatter_in_hook(g * 0.5))
+    assert_grads(traced(model)[0], [0.5 * g.numpy() for g in want])
+
+    model = FSDP(make(), device_mesh=mesh)
+    model.register_comm_hook(default_hooks.DefaultState(), default_hooks.allreduce_hook)
+    grads, comm = traced(model)
+    assert "reduce_scatter_tensor" not in comm.get_comm_counts() and comm.get_comm_counts()["all_reduce"] >= 5
+    assert_grads(grads, [g.numpy() for g in want])
+    with pytest.raises(RuntimeError, match="already registered"):
+        model.register_comm_hook(None, default_hooks.allreduce_hook)
+
+
+def test_fsdp1_comm_hook_on_a_unit_or_bad_output_is_refused():
+    from tfdist.algorithms._comm_hooks import default_hooks
+    from tfdist.fsdp.wrap import ModuleWrapPolicy
+
+    mesh = tfdist.init_device_mesh("cpu", (N,), mesh_dim_names=("dp",))
+    model = FSDP(make(), auto_wrap_policy=ModuleWrapPolicy({keras.layers.Dense}), device_mesh=mesh)
+    with pytest.raises(ValueError, match="root"):
+        model.layers[0].register_comm_hook(None, default_hooks.allreduce_hook)
+    model.register_comm_hook(None, lambda state, g: g)  # the unreduced stack: the wrong shape
+    with pytest.raises(ValueError, match="must return the reduced gradient"):
+        sum_sq_grads(model, MICRO[0])
+    with pytest.raises(RuntimeError, match="inside an FSDP communication hook"):
+        default_hooks.reduce_scatter_in_hook(tf.zeros([8, 2]))

@@ -18,6 +18,7 @@ functions take TF layouts and know nothing of Keras.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Callable
 import tensorflow as tf
 from tensorflow.experimental import dtensor
@@ -30,6 +31,7 @@ from tfdist.tensor._redistribute import reduce_scatter_move, relayout
 
 __all__ = [
     "ShardedParam", "gather", "gathered_with_sliced_grad", "sharded_einsum", "sharded_lookup", "per_shard_call",
+    "reduce_scatter_in_hook",
 ]
 
 UNSHARDED = dtensor.UNSHARDED
@@ -118,19 +120,63 @@ def _reduce_scatter_stacked(
     stacked: tf.Tensor, stacked_specs: list[str], param: ShardedParam, dtype: tf.DType,
 ) -> tf.Tensor:
     """A stacked Partial ``[N(dp), *shape]`` -> the parameter's shard (sum over dp); with the
-    group's gradient sync off, held unreduced instead (a zero gradient)."""
+    group's gradient sync off, held unreduced instead (a zero gradient); with an FSDP1 comm hook,
+    reduced by the hook."""
     mesh = param.shard_layout.mesh
     if param.sync is not None:
         held = param.sync.hold_or_release((id(param), "stacked"), stacked, dtensor.Layout(stacked_specs, mesh))
         if held is None:
             return _zero_grad(param, stacked.shape[1:], dtype)
         stacked = held
+        if param.sync.comm_hook is not None:
+            return _through_comm_hook(stacked, stacked_specs, param, dtype)
+    return _sum_scatter(stacked, stacked_specs, param, dtype)
+
+
+def _sum_scatter(stacked: tf.Tensor, stacked_specs: list[str], param: ShardedParam, dtype: tf.DType) -> tf.Tensor:
+    """FSDP's reduction of a stacked Partial: all-to-all onto the shard dim + a local sum."""
+    mesh = param.shard_layout.mesh
     if param.sharded:
         moved, _ = reduce_scatter_move(stacked, stacked_specs, 0, param.dim + 1, mesh)  # the all-to-all
         total = tf.reduce_sum(moved, axis=0)
     else:
         total = tf.reduce_sum(stacked, axis=0)  # a parameter kept whole: TF all-reduces it
     return dtensor.relayout(tf.cast(total, dtype), param.shard_layout)
+
+
+_HOOKED = threading.local()  # the parameter whose gradient a comm hook is reducing
+
+
+def _through_comm_hook(stacked: tf.Tensor, stacked_specs: list[str], param: ShardedParam, dtype: tf.DType,
+                       ) -> tf.Tensor:
+    state, hook = param.sync.comm_hook
+    _HOOKED.current = (stacked_specs, param)
+    try:
+        out = tf.convert_to_tensor(hook(state, stacked))
+    finally:
+        _HOOKED.current = None
+    if out.shape != stacked.shape[1:]:
+        raise ValueError(f"register_comm_hook: the hook must return the reduced gradient, shape "
+                         f"{stacked.shape[1:]} (the parameter's). Received: shape {out.shape}")
+    return dtensor.relayout(tf.cast(out, dtype), param.shard_layout)  # replicated or the shard's: local
+
+
+def reduce_scatter_in_hook(grad: tf.Tensor) -> tf.Tensor:
+    """Inside an FSDP1 comm hook: FSDP's reduce-scatter of ``grad`` (the stacked per-device gradient
+    the hook was given, maybe transformed: scaled, cast to float16), in ``grad``'s dtype.
+
+    Example (a hook that halves the gradient before reducing it)::
+
+        def halve(state, grad):
+            return reduce_scatter_in_hook(grad * 0.5)
+    """
+    current = getattr(_HOOKED, "current", None)
+    if current is None:
+        raise RuntimeError("reduce_scatter_in_hook: call it inside an FSDP communication hook "
+                           "(FullyShardedDataParallel.register_comm_hook).")
+    stacked_specs, param = current
+    return _sum_scatter(dtensor.relayout(grad, dtensor.Layout(stacked_specs, param.shard_layout.mesh)),
+                        stacked_specs, param, grad.dtype)
 
 
 def _letter_specs(letters: str, sources: list[tuple[str, list[str]]], batch: str | None, dp: str) -> list[str]:

@@ -85,6 +85,30 @@ class _FSDP1Methods:
         """True for the module ``FullyShardedDataParallel`` was called on."""
         return _registry.module(self).fsdp1_root
 
+    def register_comm_hook(self, state: object, hook: Callable[..., tf.Tensor]) -> None:
+        """Every gradient FSDP reduces in this tree goes through ``hook(state, grad)``: ``grad`` is the
+        stacked per-device gradient ``[N(dp), *shape]`` (row ``i``: device ``i``'s unreduced gradient,
+        torch's per-rank gradient) and the hook returns the reduced gradient of the parameter's shape
+        (torch's hook writes it into ``output``; TF returns it).  Call it on the root, once.  A
+        layer FSDP cannot see inside keeps TF's all-reduce (no hook).
+
+        Example::
+
+            from tfdist.algorithms._comm_hooks import default_hooks
+            model.register_comm_hook(default_hooks.LowPrecisionState(), default_hooks.fp16_compress_hook)
+        """
+        if not self.check_is_root():
+            raise ValueError("register_comm_hook: call it on the root FullyShardedDataParallel module (torch "
+                             "registers one hook for the whole tree).")
+        if not callable(hook):
+            raise ValueError(f"register_comm_hook(hook) must be callable. Received: hook={hook!r}")
+        states = [s for unit in _fsdp1_units(self) for s in _group_states(unit, recurse=False)]
+        if any(s.grad_sync.comm_hook is not None for s in states):
+            raise RuntimeError("register_comm_hook: a communication hook is already registered (torch allows one).")
+        for s in states:
+            s.grad_sync.comm_hook = (state, hook)
+        _retrace_keras_steps(self)
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, grads: list) -> tf.Tensor:
         """Clips ``grads`` (the list ``tape.gradient`` returned, replaced in place) to a total
         ``norm_type``-norm of at most ``max_norm``; returns the total norm before clipping.
@@ -319,6 +343,7 @@ class FullyShardedDataParallel(metaclass=_FSDP1Meta):
     check_is_root = _FSDP1Methods.check_is_root
     clip_grad_norm_ = _FSDP1Methods.clip_grad_norm_
     no_sync = _FSDP1Methods.no_sync
+    register_comm_hook = _FSDP1Methods.register_comm_hook
 
     @staticmethod
     def set_state_dict_type(

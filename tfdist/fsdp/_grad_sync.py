@@ -18,7 +18,7 @@ the flag as a Python argument, so each setting gets its own trace).
 
 from __future__ import annotations
 
-from typing import Hashable
+from typing import Any, Callable, Hashable
 
 import tensorflow as tf
 from tensorflow.experimental import dtensor
@@ -27,7 +27,8 @@ __all__ = ["GradientSync"]
 
 
 class GradientSync:
-    """One FSDP group's gradient-sync switch and the gradients it holds.
+    """How one FSDP group reduces its gradients: the gradient-sync switch, the gradients it holds,
+    and an FSDP1 communication hook (``(state, hook)``, None: FSDP's own reduce-scatter).
 
     Example (what FSDP's reduction does with a gradient ``g`` laid out ``layout``)::
 
@@ -41,6 +42,7 @@ class GradientSync:
     def __init__(self) -> None:
         self.enabled = True
         self._held: dict[Hashable, tf.Variable] = {}
+        self.comm_hook: tuple[Any, Callable[..., tf.Tensor]] | None = None
 
     def hold_or_release(self, key: Hashable, grad: tf.Tensor, layout: dtensor.Layout) -> tf.Tensor | None:
         """Sync off: adds ``grad`` to ``key``'s held sum and returns None.  Sync on: ``grad`` plus
