@@ -470,3 +470,12 @@ def test_keras_distribution_initialize_starts_the_clients_and_fit_equals_one_pro
     np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-5)
     for key in a.files:
         np.testing.assert_allclose(a[key], b[key], atol=1e-5)
+
+
+def test_distributed_optimizer_across_clients():
+    """DistributedOptimizer from tfdist.autograd contexts on variables sharded over 2 clients."""
+    out = launch("--nproc-per-node", "2", "--devices-per-proc", "2", "--master-port", str(free_base_port(2)),
+                 str(HERE / "distributed_optimizer.py"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    for rank in range(2):
+        assert f"[rank {rank}] OK rank {rank}: DistributedOptimizer equals one device" in out.stdout

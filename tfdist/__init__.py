@@ -19,7 +19,7 @@ from tfdist._quiet import quiet_import
 with quiet_import():  # only the `tfdist` command is quieted (see tfdist/_quiet.py)
     import tensorflow  # noqa: F401
 
-from tfdist import tensor
+from tfdist import autograd, tensor
 from tfdist._runtime import (
     barrier,
     destroy,
@@ -52,6 +52,7 @@ __all__ = [
     "DeviceMesh",
     "init_device_mesh",
     "tensor",
+    "autograd",
     "manual_seed",
     "GradBucket",
 ]
