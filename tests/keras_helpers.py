@@ -72,6 +72,19 @@ def make_mlp() -> keras.Model:
     ])
 
 
+def tanh_mlp(n_in: int, hidden: int, n_out: int) -> keras.Model:
+    """A seeded n_in -> hidden (tanh) -> n_out MLP."""
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((n_in,)), keras.layers.Dense(hidden, activation="tanh"),
+                             keras.layers.Dense(n_out)])
+
+
+def regression_batch(seed: int, rows: int, n_in: int, n_out: int) -> tuple[np.ndarray, np.ndarray]:
+    """float32 inputs and targets drawn from a seeded normal."""
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((rows, n_in)).astype("float32"), rng.standard_normal((rows, n_out)).astype("float32"))
+
+
 def model_parallel(mesh_shape=(2, 4)) -> keras.distribution.ModelParallel:
     """Megatron layouts for make_mlp on a (batch, model) mesh."""
     mesh = keras.distribution.DeviceMesh(mesh_shape, ["batch", "model"])

@@ -9,19 +9,16 @@ import pytest
 import tensorflow as tf
 
 import tfdist
-from keras_helpers import max_weight_diff, no_global_distribution  # noqa: F401
+from keras_helpers import max_weight_diff, no_global_distribution, regression_batch, tanh_mlp  # noqa: F401
 from tfdist.fsdp import fully_shard
 from tfdist.optim import DistributedOptimizer
 
-RNG = np.random.default_rng(7)
-X = RNG.standard_normal((16, 8)).astype("float32")
-Y = RNG.standard_normal((16, 4)).astype("float32")
+X, Y = regression_batch(7, 16, 8, 4)
 MSE = keras.losses.MeanSquaredError()
 
 
 def make():
-    keras.utils.set_random_seed(0)
-    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(4)])
+    return tanh_mlp(8, 16, 4)
 
 
 def reference(steps, scale=1.0):

@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import tfdist
-from keras_helpers import no_global_distribution  # noqa: F401
+from keras_helpers import no_global_distribution, regression_batch, tanh_mlp  # noqa: F401
 from tfdist.algorithms.ddp_comm_hooks import default_hooks
 from tfdist.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
 from tfdist.algorithms.model_averaging import averagers
@@ -20,15 +20,12 @@ from tfdist.optim import PostLocalSGDOptimizer
 from tfdist.tensor.debug import CommDebugMode
 
 R, LR, STEPS = 8, 0.1, 7
-RNG = np.random.default_rng(0)
-X = RNG.standard_normal((16, 4)).astype("float32")
-Y = RNG.standard_normal((16, 2)).astype("float32")
+X, Y = regression_batch(0, 16, 4, 2)
 MSE = keras.losses.MeanSquaredError()
 
 
 def make():
-    keras.utils.set_random_seed(0)
-    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="tanh"), keras.layers.Dense(2)])
+    return tanh_mlp(4, 3, 2)
 
 
 def dp_mesh():
