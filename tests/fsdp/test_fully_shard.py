@@ -323,7 +323,7 @@ def test_hsdp_limitation_reproduces():
     script = pathlib.Path(__file__).parents[2] / "docs" / "tf_dtensor_repros" / "hsdp_batch_two_mesh_dims.py"
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 1, out.stdout + out.stderr[-2000:]
-    assert out.stdout.count("refused") == 2
+    assert out.stdout.count("refused") == 3 and "converter for Relayout: True" in out.stdout
 
 
 def test_parted_layouts_hold_per_device_values():
