@@ -180,3 +180,28 @@ def test_keras_hub_blocks_under_fully_shard_train_like_one_device_with_reduce_sc
     np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
     for a, b in zip(ref.get_weights(), lm.get_weights()):
         np.testing.assert_allclose(b, a, atol=2e-5)
+
+
+class Counted(keras.layers.Layer):
+    """A trainable integer weight beside a float one (Keras allows it)."""
+
+    def build(self, shape):
+        self.w = self.add_weight(shape=(shape[-1], 8), initializer="glorot_uniform", name="w")
+        self.offset = self.add_weight(shape=(8,), initializer="ones", dtype="int32", name="offset")
+
+    def call(self, x):
+        return tf.matmul(x, self.w) + tf.cast(self.offset, x.dtype)
+
+
+def test_a_non_float_parameter_stays_whole():
+    """torch 2.12's FSDP2 keeps non-float parameters unsharded: so does tfdist (no gradient to
+    reduce-scatter); the layer still computes one device's values."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((64,)), Counted(name="c")])
+    want = model(X).numpy()
+    fully_shard(model, mesh=dp_mesh())
+    layer = model.layers[0]
+    assert [v.name for v in model.fsdp_params] == ["w"]
+    from tfdist.keras._variables import layout_of
+    assert "dp" not in layout_of(layer.offset._value).sharding_specs
+    np.testing.assert_allclose(gather_to_numpy(model(X)), want, rtol=1e-5, atol=1e-5)

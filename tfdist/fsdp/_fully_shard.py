@@ -307,7 +307,8 @@ def _check_args(module: Any, mesh: DeviceMesh, reshard_after_forward: Any, mp_po
 
 def _group_variables(modules: ModuleBackend, module: Any, ignored: set[int]) -> list[tuple[str, Any, str, Any]]:
     """(layer path, owning layer, weight name, variable) of the variables this call groups:
-    trainable, not in an FSDP child's group, not ignored."""
+    trainable floating-point ones (a non-float parameter is kept whole, as torch 2.12's FSDP2
+    does: it has no gradient to reduce-scatter), not in an FSDP child's group, not ignored."""
     taken: set[int] = set(ignored)
     out = []
     for path, layer in modules.named_layers(module):
@@ -317,7 +318,7 @@ def _group_variables(modules: ModuleBackend, module: Any, ignored: set[int]) -> 
         if not modules.is_built(layer):
             continue
         for name, variable in modules.weights(layer).items():
-            if modules.is_trainable(variable) and id(variable) not in taken:
+            if modules.is_trainable(variable) and tf.as_dtype(variable.dtype).is_floating and id(variable) not in taken:
                 taken.add(id(variable))
                 out.append((path or modules.layer_name(module), layer, name, variable))
     return out
