@@ -479,3 +479,12 @@ def test_distributed_optimizer_across_clients():
     assert out.returncode == 0, out.stderr[-3000:]
     for rank in range(2):
         assert f"[rank {rank}] OK rank {rank}: DistributedOptimizer equals one device" in out.stdout
+
+
+def test_ddp_local_sgd_across_clients():
+    """Replicas from client 0's weights, local SGD over 4 clients = the per-replica numpy reference."""
+    out = launch("--nproc-per-node", "4", "--devices-per-proc", "2", "--master-port", str(free_base_port(4)),
+                 str(HERE / "ddp_local_sgd.py"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    for rank in range(4):
+        assert f"[rank {rank}] OK rank {rank}: local SGD replicas equal the reference" in out.stdout

@@ -26,8 +26,7 @@ from tfdist.fsdp._policies import MixedPrecisionPolicy
 from tfdist.fsdp import _optim_state, _state_dict
 from tfdist.fsdp._state_dict import StateDictSettings, StateDictType
 from tfdist.tensor._modules import module_backend
-from tfdist.tensor._api import distribute_tensor
-from tfdist.tensor.placement_types import Replicate
+from tfdist.tensor._api import client_0_value
 
 __all__ = [
     "FullyShardedDataParallel", "ShardingStrategy", "BackwardPrefetch", "MixedPrecision", "CPUOffload",
@@ -462,8 +461,7 @@ def _sync_from_client_0(modules, module: Any, device_mesh: DeviceMesh | None) ->
     for variable in modules.variables(module):
         if modules.is_placed(variable):
             continue  # laid out already (e.g. tensor parallel first): built from each client's values
-        value = distribute_tensor(variable.numpy(), root, [Replicate()] * root.ndim, src_data_rank=0)
-        variable.assign(value.to_local().numpy())
+        variable.assign(client_0_value(variable.numpy(), root))
 
 
 def _fsdp1_units(module: Any) -> list[Any]:

@@ -732,3 +732,13 @@ def _convert_to_tf(value: DTensor, dtype=None, name=None, as_ref=False) -> tf.Te
 
 # tf.convert_to_tensor(dtensor) -> the TF DTensor holding the same global value.
 tf.register_tensor_conversion_function(DTensor, _convert_to_tf)
+
+
+def client_0_value(value: typing.Any, mesh: DeviceMesh) -> np.ndarray:
+    """The array client 0 passes as ``value`` (torch: a broadcast from rank 0), on every client;
+    with one client, ``value`` itself.  Runs outside any step (a module's construction)."""
+    if not _runtime.is_multi_client():
+        return np.asarray(value)
+    root = mesh.root_mesh
+    return distribute_tensor(np.asarray(value), root, [Replicate()] * root.ndim, src_data_rank=0).to_local().numpy()
+

@@ -19,7 +19,7 @@ from tensorflow.experimental import dtensor
 
 from tfdist import _registry
 
-__all__ = ["Replicas", "replica_mean", "counter", "replicas_of", "run_if"]
+__all__ = ["Replicas", "replica_mean", "replica_sum", "counter", "replicas_of", "run_if"]
 
 UNSHARDED = dtensor.UNSHARDED
 
@@ -48,14 +48,31 @@ def replica_mean(stacked: tf.Tensor, mesh: dtensor.Mesh, dp: str, dtype: tf.DTyp
 
     The sum over the dp-sharded axis is one all-reduce; each device then
     keeps its row of the broadcast mean (local).  ``dtype``: the dtype the
-    reduction runs in (a compressing hook's float16).
+    reduction runs in (a compressing hook's float16, divided first so the
+    sum cannot overflow).
     """
     rows = stacked.shape[0]
-    work = stacked if dtype is None else tf.cast(stacked, dtype)
-    mean = tf.reduce_sum(work / tf.cast(rows, work.dtype), axis=0)
-    mean = tf.cast(dtensor.relayout(mean, dtensor.Layout.replicated(mesh, stacked.shape.rank - 1)), stacked.dtype)
-    spread = tf.broadcast_to(tf.expand_dims(mean, 0), stacked.shape)
-    return mean, dtensor.relayout(spread, dtensor.Layout([dp] + [UNSHARDED] * (stacked.shape.rank - 1), mesh))
+    if dtype is None:
+        mean = _replicated_sum(stacked, mesh) / tf.cast(rows, stacked.dtype)
+    else:
+        mean = tf.cast(_replicated_sum(tf.cast(stacked, dtype) / tf.cast(rows, dtype), mesh), stacked.dtype)
+    return mean, _every_row(mean, stacked.shape, mesh, dp)
+
+
+def replica_sum(stacked: tf.Tensor, mesh: dtensor.Mesh, dp: str) -> tf.Tensor:
+    """Every row of a stacked ``[R(dp), ...]`` replaced by the sum of the rows (one all-reduce)."""
+    return _every_row(_replicated_sum(stacked, mesh), stacked.shape, mesh, dp)
+
+
+def _replicated_sum(stacked: tf.Tensor, mesh: dtensor.Mesh) -> tf.Tensor:
+    """The sum over the dp-sharded axis 0, replicated: TF's all-reduce."""
+    return dtensor.relayout(tf.reduce_sum(stacked, axis=0), dtensor.Layout.replicated(mesh, stacked.shape.rank - 1))
+
+
+def _every_row(value: tf.Tensor, shape: tf.TensorShape, mesh: dtensor.Mesh, dp: str) -> tf.Tensor:
+    """``value`` as every row of a stacked ``shape`` on dp: each device keeps its own row (local)."""
+    spread = tf.broadcast_to(tf.expand_dims(value, 0), shape)
+    return dtensor.relayout(spread, dtensor.Layout([dp] + [UNSHARDED] * (len(shape) - 1), mesh))
 
 
 def counter(mesh: dtensor.Mesh, start: int = 0) -> dtensor.DVariable:

@@ -27,7 +27,8 @@ from tensorflow.experimental import dtensor
 from tfdist import _registry
 from tfdist.device_mesh import DeviceMesh, default_data_parallel_mesh
 from tfdist.nn.parallel._grad_bucket import GradBucket
-from tfdist.nn.parallel._replicas import Replicas, replica_mean
+from tfdist.nn.parallel._replicas import Replicas, replica_mean, replica_sum
+from tfdist.tensor._api import client_0_value
 from tfdist.tensor._modules import module_backend
 from tfdist.tensor._per_device import per_device_call
 from tfdist.tensor.parallel.style import as_tf, on_mesh
@@ -113,8 +114,8 @@ class DistributedDataParallel(metaclass=_DDPMeta):
     ``broadcast_buffers``, ``init_sync``, ``bucket_cap_mb``,
     ``find_unused_parameters``, ``check_reduction``,
     ``gradient_as_bucket_view``, ``static_graph`` and the rest have no TF
-    meaning and are accepted (the replicas start equal: each is made from
-    the module's values, as torch broadcasts rank 0's).
+    meaning and are accepted.  The replicas start equal, made from client
+    0's values of the module (torch broadcasts rank 0's module state).
 
     Example::
 
@@ -172,7 +173,7 @@ def _make_replicas(modules, module: Any, mesh: DeviceMesh) -> Replicas:
         if modules.is_placed(variable):
             raise ValueError(f"DistributedDataParallel: {variable.path} is already on a mesh; DDP replicates a "
                              "module whose variables are not distributed.")
-        value = tf.convert_to_tensor(variable.numpy())
+        value = tf.convert_to_tensor(client_0_value(variable.numpy(), mesh))  # torch broadcasts rank 0's
         layout = dtensor.Layout([dp] + [dtensor.UNSHARDED] * len(value.shape), tf_mesh)
         rows = tf.broadcast_to(tf.expand_dims(value, 0), [count] + list(value.shape))
         stacked.append(modules.new_variable(rows, layout, f"{variable.name}_replicas", trainable=True))
@@ -211,6 +212,9 @@ def _replica_call(modules, module: Any) -> Callable:
                     out.append(None)
                     continue
                 layout = reps.stacked_layout(g.shape.rank)
+                if own.hook is allreduce_mean:  # the mean of R x each share is their sum: no scaling pass
+                    out.append(replica_sum(dtensor.relayout(g, layout), reps.mesh, reps.dp))
+                    continue
                 # the loss is a mean over the global batch: replica r's gradient of the mean over
                 # its own rows (torch's per-rank gradient) is R times its share
                 own_grad = dtensor.relayout(g * tf.cast(reps.count, g.dtype), layout)
