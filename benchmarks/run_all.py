@@ -80,6 +80,17 @@ def _fsdp(d: dict) -> Headline:
             for r in d["rows"] if isinstance(r.get("N"), int) and r["N"] > 1 and "held / (total/N)" in r][:3]
 
 
+def _fsdp_accumulation(d: dict) -> Headline:
+    return [(f"FSDP accumulation, {r['accumulation (4 micro-batches)']}: reduce-scatter bytes vs syncing each",
+             r["RS bytes vs sync each"], "") for r in d["rows"] if "RS bytes vs sync each" in r]
+
+
+def _local_sgd(d: dict) -> Headline:
+    return [(f"{r['program']}: step time vs raw TF DTensor data parallel", r["vs TF DTensor data parallel"],
+             "<= 1.05" if r["program"] == "DDP (sync)" else "")
+            for r in d["rows"] if r["program"] != "TF DTensor data parallel"]
+
+
 def _ratios_dict(prefix: str) -> Callable[[dict], Headline]:
     return lambda d: [(f"{prefix}{k}", v, "") for k, v in d["ratios"].items() if isinstance(v, (int, float))]
 
@@ -142,7 +153,8 @@ BENCHMARKS = [
     Benchmark("keras_hub_vs_jax", "keras_hub_vs_jax.py", (), ("--rounds", "1", "--steps", "3", "--blocks", "1"),
               "keras_hub_gemma.json", _keras_hub),
     Benchmark("pipeline", "pipeline.py", (), (), "pipeline.json", _pipeline, ("5", "1")),
-    Benchmark("fsdp", "fsdp.py", (), (), "fsdp.json", _fsdp, ("5", "1")),
+    Benchmark("fsdp", "fsdp.py", (), (), "fsdp.json", lambda d: _fsdp(d) + _fsdp_accumulation(d), ("5", "1")),
+    Benchmark("local_sgd", "local_sgd.py", (), (), "local_sgd.json", _local_sgd, ("5", "1")),
     Benchmark("checkpoint", "checkpoint.py", (), (), "checkpoint.json", _ratios_dict("checkpoint "), ("5", "1")),
     Benchmark("tp_transformer", "tp_transformer.py", (), ("--rounds", "1", "--steps", "5"), "tp_transformer.json",
               _ratios_dict("TP transformer ")),
