@@ -119,3 +119,43 @@ def test_virtual_cpus_same_count_is_harmless():
     assert len(tfdist.virtual_cpus(8)) == 8
     with pytest.raises(ValueError, match="positive int"):
         tfdist.virtual_cpus(0)
+
+
+def test_device_ids_falling_along_a_dim_are_refused_while_tf_gathers_by_device_order():
+    """TF's CollectiveGatherV2 lowering (on in tfdist) puts gathered parts in device order: on
+    [[6, 7], [4, 5]] a Shard(0) tensor came back with its halves swapped. The mesh is refused, naming it."""
+    with pytest.raises(ValueError, match=r"increase along every mesh dim \(dim 0 does not\).*"
+                                         r"TFDIST_GATHER_LOWERING=reduce.*mesh=\[\[6, 7\], \[4, 5\]\]"):
+        DeviceMesh("cpu", [[6, 7], [4, 5]], mesh_dim_names=("dp", "tp"))
+    with pytest.raises(ValueError, match="dim 1 does not"):
+        DeviceMesh("cpu", [[1, 0], [3, 2]])
+
+
+@pytest.mark.slow
+def test_gather_order_repro_and_the_reduce_lowering_way_out():
+    """docs/tf_dtensor_repros/gather_lowering_device_order.py reproduces the wrong values in raw TF;
+    with TFDIST_GATHER_LOWERING=reduce tfdist accepts the mesh and gathers right (numpy reference)."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).parents[1] / "docs" / "tf_dtensor_repros" / "gather_lowering_device_order.py"
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 1, out.stdout + out.stderr[-2000:]
+    assert "(2, 3, 0, 1): WRONG values, no error" in out.stdout
+    program = (
+        "import numpy as np, tfdist\n"
+        "tfdist.virtual_cpus(8)\n"
+        "from tfdist.tensor import Shard, Replicate, distribute_tensor\n"
+        "m = tfdist.DeviceMesh('cpu', [[6, 7], [4, 5]], mesh_dim_names=('dp', 'tp'))\n"
+        "x = np.arange(32.0).reshape(8, 4)\n"
+        "d = distribute_tensor(x, m, [Shard(0), Replicate()])\n"
+        "assert np.array_equal(d.full_tensor().numpy(), x)\n"
+        "assert np.array_equal(d.local_tensors()[0].numpy(), x[:4])\n"
+        "print('OK')\n"
+    )
+    env = dict(os.environ, TFDIST_GATHER_LOWERING="reduce")
+    env.pop("LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2", None)
+    out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=180, env=env)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-2000:]

@@ -376,10 +376,11 @@ def test_gpt_3d_across_clients_trains_like_one_device_and_its_checkpoint_crosses
     script, four = str(HERE / "pipeline_gpt_3d.py"), ("--nproc-per-node", "4", "--devices-per-proc", "2")
     out = launch(*four, "--master-port", str(free_base_port(4)), script, "train", ckpt, timeout=1500)
     assert out.returncode == 0, out.stderr[-3000:]
-    # bytes per client, per step and boundary: the batch's activations (8 x 8 x 16 float64 = 8192 B)
-    # forward or their gradients back, as many as torch's 2 ranks on the client's devices send (each its
-    # dp half, 4096 B); 10 steps
-    per_boundary = 10 * 8192
+    # bytes per client, per step and boundary: its dp half of the batch's activations forward or of their
+    # gradients back (8 x 8 x 16 float64 = 8192 B whole, 4096 B per half), sent once shard-wise -- no
+    # gather first; torch's 2 ranks on the client's devices (tp replicas) send that half each, 8192 B;
+    # 10 steps
+    per_boundary = 10 * 4096
     for name, stages, boundaries in (("GPipe", ([0], [1]), 1), ("1F1B", ([0], [1]), 1),
                                      ("Interleaved1F1B", ([0, 2], [1, 3]), 3), ("LoopedBFS", ([0, 2], [1, 3]), 3),
                                      ("InterleavedZeroBubble", ([0, 2], [1, 3]), 3),
@@ -397,6 +398,9 @@ def test_gpt_3d_across_clients_trains_like_one_device_and_its_checkpoint_crosses
     for rank in range(4):
         assert f"[rank {rank}] OK rank {rank} refuses bad placements" in out.stdout, out.stdout[-3000:]
         assert f"[rank {rank}] OK rank {rank} reloaded stages {[[0, 2], [1, 3]][rank // 2]}" in out.stdout
+        # a 16 x 8 float64 batch: the dp half (512 B) between congruent sub-meshes, else the whole (1024 B)
+        assert f"[rank {rank}] OK rank {rank} congruent boundary bytes sent 512" in out.stdout
+        assert f"[rank {rank}] OK rank {rank} 1-D boundary bytes sent 1024" in out.stdout
 
 
 def test_the_documented_gpt_3d_recipe_runs_as_written(tmp_path):

@@ -57,6 +57,13 @@ _initialized_device_type: str | None = None
 # to keep TF's default lowering.
 if os.environ.get("TFDIST_GATHER_LOWERING", "gather") != "reduce":
     os.environ.setdefault("LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2", "1")
+
+
+def gather_lowering_is_collective() -> bool:
+    """Whether TF DTensor lowers all-gathers on CPU/GPU meshes to CollectiveGatherV2 (see above)."""
+    return "LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2" in os.environ  # TF: set = on, any value
+
+
 # TF DTensor's all-reduce combine pass leaves the results it splits out of the
 # combined buffer without a layout; a program that returns one -- the backward
 # of every tf.function under an eager tape, so every pipeline stage's backward --

@@ -49,6 +49,28 @@ def _check_dim_names(names: Sequence[str], ndim: int) -> tuple[str, ...]:
     return names
 
 
+def _check_gather_order(device_type: str, ids: np.ndarray) -> None:
+    """Refuses a device order TF's CollectiveGatherV2 lowering gets wrong.
+
+    That lowering (on for CPU and GPU meshes, ``_runtime``) concatenates each gather group's parts in
+    the order TF's collective executor ranks the group's devices -- ascending (task, device index),
+    not the mesh coordinate DTensor assumed -- so a mesh whose ids fall along a dim returns the
+    gathered parts in the wrong places, silently
+    (docs/tf_dtensor_repros/gather_lowering_device_order.py).
+    """
+    if device_type == "TPU" or not _runtime.gather_lowering_is_collective():
+        return
+    for d in range(ids.ndim):
+        if ids.shape[d] > 1 and not np.all(np.diff(ids, axis=d) > 0):
+            raise ValueError(
+                f"mesh: on a {device_type} mesh the device ids must increase along every mesh dim (dim {d} "
+                f"does not): TF DTensor's all-gather lowering, which tfdist turns on for its bytes, puts the "
+                f"gathered parts in device order and would return wrong values. Order the devices "
+                f"ascending, or set TFDIST_GATHER_LOWERING=reduce before importing tfdist (TF's all-reduce "
+                f"lowering: any order, 2x the gather bytes). Received: mesh={ids.tolist()!r}"
+            )
+
+
 def _build_tf_mesh(
     device_type: str, ids: np.ndarray, names: tuple[str, ...]
 ) -> dtensor.Mesh:
@@ -56,9 +78,11 @@ def _build_tf_mesh(
 
     TF DTensor numbers mesh positions 0..n-1 in row-major order and maps
     position ``p`` to the client's ``p``-th listed device, so an arbitrary
-    device order is a permutation of that list.  Across clients each client
-    must own a contiguous block of positions.
+    device order is a permutation of that list (ascending along every dim
+    while TF's gather lowering is on: ``_check_gather_order``).  Across
+    clients each client must own a contiguous block of positions.
     """
+    _check_gather_order(device_type, ids)
     if _runtime.is_multi_client() and ids.size != _runtime.num_global_devices(device_type):
         return _build_sub_tf_mesh(device_type, ids, names)
     n_global = ids.size

@@ -182,6 +182,45 @@ def test_keras_hub_blocks_under_fully_shard_train_like_one_device_with_reduce_sc
         np.testing.assert_allclose(b, a, atol=2e-5)
 
 
+def test_keras_hub_llama_accumulates_unreduced_until_the_synchronizing_micro_batch():
+    """Gradient accumulation on keras-hub's Llama under fully_shard: the held micro-batch
+    reduce-scatters nothing, the synchronizing one reduce-scatters every sharded weight once, and
+    its gradients are the sum of both micro-batches' one-device gradients."""
+    rng = np.random.default_rng(1)
+    micro = []
+    for _ in range(2):
+        ids = rng.integers(0, 64, (16, 8)).astype("int32")
+        micro.append(({"token_ids": tf.constant(ids), "padding_mask": tf.ones_like(ids)},
+                      tf.constant(np.roll(ids, -1, axis=1))))
+    sce = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def grads_of(model, xx, yy):
+        with tf.GradientTape() as tape:
+            loss = sce(yy, model(xx))
+        return [tf.convert_to_tensor(g) for g in tape.gradient(loss, model.trainable_variables)]
+
+    ref = _hub_lm("llama")
+    want = [sum(gs).numpy() for gs in zip(*(grads_of(ref, xx, yy) for xx, yy in micro))]
+    lm = _hub_lm("llama")
+    for block in lm.backbone.transformer_layers:
+        fully_shard(block, mesh=dp_mesh())
+    fully_shard(lm, mesh=dp_mesh())
+
+    @tf.function
+    def step(xx, yy, sync):
+        lm.set_requires_gradient_sync(sync)
+        return grads_of(lm, xx, yy)
+
+    with CommDebugMode() as held:
+        step(*micro[0], False)
+    with CommDebugMode() as synced:
+        got = step(*micro[1], True)
+    assert "reduce_scatter_tensor" not in held.get_comm_counts(), held.get_comm_counts()
+    assert synced.get_comm_counts()["reduce_scatter_tensor"] >= 2 * 9 + 1, synced.get_comm_counts()
+    for a, b in zip(want, got):
+        np.testing.assert_allclose(gather_to_numpy(b), a, rtol=1e-4, atol=1e-5)
+
+
 class Counted(keras.layers.Layer):
     """A trainable integer weight beside a float one (Keras allows it)."""
 

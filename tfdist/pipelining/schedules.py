@@ -26,6 +26,7 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import tensorflow as tf
 
 from tfdist import _runtime
@@ -34,7 +35,7 @@ from tfdist.pipelining import _orders
 from tfdist.pipelining import _timeline
 from tfdist.pipelining._actions import B, F, I, OVERLAP_F_B, REDUCE_GRAD, W, Action, format_pipeline_order
 from tfdist.device_mesh import DeviceMesh
-from tfdist.pipelining._p2p import Channel, as_local, channel_index
+from tfdist.pipelining._p2p import Channel, channel_index, from_wire, to_wire
 from tfdist.pipelining.microbatch import TensorChunkSpec, merge_chunks, split_args_kwargs_into_chunks
 from tfdist.pipelining.stage import _EAGER_LOCK, PipelineStage
 
@@ -70,9 +71,11 @@ class PipelineStallError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class _Place:
-    """Where a stage lives: each of its clients with that client's devices of it (full names)."""
+    """Where a stage lives: each of its clients with that client's devices of it (full names), and its
+    sub-mesh as (dim names, shape, every device in mesh order), None for a stage on one device."""
 
     by_client: tuple[tuple[int, tuple[str, ...]], ...]
+    mesh: tuple | None = None
 
     @property
     def clients(self) -> tuple[int, ...]:
@@ -89,13 +92,27 @@ class _Place:
     def device_key(self) -> str:
         return ",".join(self.devices)
 
+    def coordinates_of(self, client: int) -> list[tuple[int, ...]]:
+        """The sub-mesh coordinates of ``client``'s devices, sorted."""
+        _, shape, devices = self.mesh
+        return sorted(tuple(int(c) for c in np.unravel_index(list(devices).index(d), shape))
+                      for d in self.devices_of(client))
 
-def _mesh_devices(stage: PipelineStage) -> list[str] | None:
-    """The full names of every device of a stage's sub-mesh (all clients'), or None for a device."""
+
+def _mesh_spec(stage: PipelineStage) -> tuple | None:
+    """A stage's sub-mesh as (dim names, shape, the full names of every device, all clients', in mesh
+    order), or None for a stage on one device."""
     if not isinstance(stage.device, DeviceMesh):
         return None
     tf_mesh = stage.device.to_tf()
-    return list(tf_mesh.global_devices() or tf_mesh.local_devices())
+    return (list(tf_mesh.dim_names), list(tf_mesh.shape()), list(tf_mesh.global_devices() or tf_mesh.local_devices()))
+
+
+def _congruent(a: _Place, ca: int, b: _Place, cb: int) -> bool:
+    """Whether client ``ca`` of stage place ``a`` and client ``cb`` of ``b`` hold the same coordinates of
+    sub-meshes of one shape and dim names: a tensor laid out on one then crosses shard by shard."""
+    return (a.mesh is not None and b.mesh is not None and list(a.mesh[:2]) == list(b.mesh[:2])
+            and a.coordinates_of(ca) == b.coordinates_of(cb))
 
 
 class _PipelineSchedule:
@@ -151,7 +168,7 @@ class _PipelineSchedule:
     def _discover(self) -> dict[int, _Place]:
         """Every stage's client and devices: this client's, or (multi-client) every client's, gathered
         through the coordination service."""
-        mine = [(i, st.num_stages, st.devices, _mesh_devices(st)) for i, st in sorted(self._local.items())]
+        mine = [(i, st.num_stages, st.devices, _mesh_spec(st)) for i, st in sorted(self._local.items())]
         if _runtime.is_multi_client():
             gathered = Group(no_dist=False, timeout=self.p2p_timeout, namespace="pipelining").all_gather(mine)
         else:
@@ -168,14 +185,14 @@ class _PipelineSchedule:
                 meshes.setdefault(index, []).append(mesh)
         for index, held in by_stage.items():
             clients = [c for c, _ in held]
-            spanned = {tf.DeviceSpec.from_string(d).task for d in meshes[index][0] or ()}
+            spanned = {tf.DeviceSpec.from_string(d).task for d in (meshes[index][0] or ((), (), ()))[2]}
             if len(held) > 1 and (any(m != meshes[index][0] for m in meshes[index]) or set(clients) != spanned):
                 raise ValueError(
                     f"stages: stage {index} is held by clients {clients[0]} and {clients[1]}; a stage belongs to "
                     "one client, or to the clients of the one sub-mesh (DeviceMesh) it is built on, each of "
                     "them building it."
                 )
-        return {index: _Place(tuple(held)) for index, held in by_stage.items()}
+        return {index: _Place(tuple(held), meshes[index][0]) for index, held in by_stage.items()}
 
     def _check_stages(self) -> None:
         indices = sorted(self._places)
@@ -313,10 +330,12 @@ class _PipelineSchedule:
 
         Stages on sub-meshes spanning several clients pair their clients in order (the i-th client
         of stage s with the i-th of stage s + 1), as torch pairs the ranks of neighbouring stages;
-        each pair carries the whole (replicated) tensor once.
+        a pair holding the same coordinates of congruent sub-meshes carries its shards of each tensor
+        once, any other pair the whole (replicated) tensor once.
         """
         if self._channels is None:
             self._channels = []
+            self._shardwise: dict[tuple[int, str], bool] = {}  # (producing stage, "F" or "dx")
             for s in range(self._num_stages - 1):
                 a, b = self._places[s], self._places[s + 1]
                 if a.clients == b.clients:
@@ -325,8 +344,12 @@ class _PipelineSchedule:
                     if self._client not in (ca, cb):
                         continue
                     src, dst = a.devices_of(ca)[0], b.devices_of(cb)[0]
-                    forward = Channel(channel_index(s, 0, i), src, dst, ca == self._client, self.p2p_timeout)
-                    backward = Channel(channel_index(s, 1, i), dst, src, cb == self._client, self.p2p_timeout)
+                    wise = _congruent(a, ca, b, cb)
+                    self._shardwise[(s, "F")] = self._shardwise[(s + 1, "dx")] = wise
+                    forward = Channel(channel_index(s, 0, i), src, dst, ca == self._client, self.p2p_timeout, wise,
+                                      self._tf_mesh(s + 1))
+                    backward = Channel(channel_index(s, 1, i), dst, src, cb == self._client, self.p2p_timeout, wise,
+                                       self._tf_mesh(s))
                     self._channels += [(forward, "F", s), (backward, "dx", s + 1)]
         return self._channels
 
@@ -466,13 +489,23 @@ class _PipelineSchedule:
                 cond.notify_all()
                 return
 
-    @staticmethod
-    def _sendable(stage: PipelineStage, tensors: tuple) -> tuple:
-        """What a channel sends: each tensor as one plain (replicated) tensor, made here on the rank's
-        thread, so that every client of a stage spanning clients issues its TF DTensor ops (the
-        relayout's collective among them) in one order."""
+    def _tf_mesh(self, stage_index: int) -> Any:
+        """A local stage's TF mesh (None for a stage on one device or on another client)."""
+        stage = self._local.get(stage_index)
+        return stage.device.to_tf() if stage is not None and isinstance(stage.device, DeviceMesh) else None
+
+    def _sendable(self, key: tuple[int, str], tensors: tuple) -> tuple:
+        """What a channel sends (``_p2p.to_wire``): each tensor's shards or the whole tensor, made here
+        on the rank's thread, so that every client of a stage spanning clients issues its TF DTensor
+        ops (a relayout's collective among them) in one order."""
+        self._channel_list()
         with _EAGER_LOCK:
-            return tuple(as_local(t) for t in tensors)
+            return tuple(to_wire(t, self._shardwise.get(key, False)) for t in tensors)
+
+    def _unwire(self, stage_index: int, wires: tuple) -> tuple:
+        """What a channel received, as tensors of the receiving stage (shards packed on its sub-mesh)."""
+        with _EAGER_LOCK:
+            return tuple(from_wire(w, self._tf_mesh(stage_index)) for w in wires)
 
     def _ready(self, a: Action, done: set) -> bool:
         if a.computation_type == OVERLAP_F_B:
@@ -506,10 +539,10 @@ class _PipelineSchedule:
             elif s - 1 in self._local:
                 inputs = _as_tuple(self._local[s - 1].outputs[m])
             else:  # from another client
-                inputs = self._received.pop((s - 1, "F", m))
+                inputs = self._unwire(s, self._received.pop((s - 1, "F", m)))
             out = stage.forward_one_chunk(m, tuple(inputs), keywords)
             if not stage.is_last and s + 1 not in self._local:
-                self._outgoing[(s, "F", m)] = self._sendable(stage, _as_tuple(out))
+                self._outgoing[(s, "F", m)] = self._sendable((s, "F"), _as_tuple(out))
             if stage.is_last:
                 stage.output_chunks.append((m, out))
                 if targets is not None:
@@ -521,14 +554,14 @@ class _PipelineSchedule:
         if kind in (B, I) and not stage.is_last:
             # the next stage's input gradients, one per tensor this stage passed it
             grads = (self._local[s + 1].input_grads[m] if s + 1 in self._local
-                     else self._received.pop((s + 1, "dx", m)))
+                     else self._unwire(s, self._received.pop((s + 1, "dx", m))))
             dx = tuple(stage.place(g) for g in grads)
             stage.output_grads[m] = dx if isinstance(stage.outputs[m], (tuple, list)) else dx[0]
         loss_fn = self._loss_fn if stage.is_last else None
         stage.backward_one_chunk(m, loss_fn, inputs=kind in (B, I), weights=kind in (B, W))
         made = set()
         if kind in (B, I) and s > 0 and s - 1 not in self._local:
-            self._outgoing[(s, "dx", m)] = self._sendable(stage, stage.input_grads[m])
+            self._outgoing[(s, "dx", m)] = self._sendable((s, "dx"), stage.input_grads[m])
         if kind in (B, I):
             made |= {(s, "I", m), (s, "dx", m)}
         if kind in (B, W):
