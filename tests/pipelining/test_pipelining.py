@@ -421,6 +421,19 @@ def test_plan_bubble_matches_the_gpipe_formula_and_zero_bubble_is_lower(m):
     assert zero < theory / 2
 
 
+def test_a_plan_timed_with_per_stage_costs_waits_for_its_slowest_stage():
+    """GPipe, 2 stages, 2 microbatches; stage 1's forward costs 3, backwards 2 (by hand: rank 0 runs
+    F0 0-1, F1 1-2; rank 1 F0 1-4, F1 4-7, B0 7-9, B1 9-11; rank 0 B0 9-11, B1 11-13)."""
+    from tfdist.pipelining import _timeline
+    from tfdist.pipelining._actions import B, F
+
+    plan = {r: _orders.gpipe(r, 2, 2) for r in range(2)}
+    got = _timeline.simulate(plan, 2, {F: 1.0, B: 2.0, (1, F): 3.0})
+    assert got[1][:4] == [("1F0", 1.0, 4.0), ("1F1", 4.0, 7.0), ("1B0", 7.0, 9.0), ("1B1", 9.0, 11.0)]
+    assert got[0][:4] == [("0F0", 0.0, 1.0), ("0F1", 1.0, 2.0), ("0B0", 9.0, 11.0), ("0B1", 11.0, 13.0)]
+    assert _timeline.bubble_fraction(got) == pytest.approx(1 - (6 + 10) / (2 * 13))
+
+
 def test_1f1b_holds_fewer_microbatch_inputs_than_gpipe(float64):
     held = {}
     for schedule in (ScheduleGPipe, Schedule1F1B):

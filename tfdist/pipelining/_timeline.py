@@ -18,7 +18,8 @@ COSTS = {F: 1.0, I: 1.0, W: 1.0, B: 2.0, REDUCE_GRAD: 0.0}
 
 def simulate(order: dict[int, list[Action | None]], num_stages: int,
              costs: dict | None = None) -> dict[int, list[tuple[str, float, float]]]:
-    """Per rank, ``(action, start, end)`` of every action of ``order`` under unit ``costs``."""
+    """Per rank, ``(action, start, end)`` of every action of ``order`` under ``costs``: per computation
+    type (unit costs by default), or per ``(stage, computation type)`` where a run measured them."""
     costs = costs or COSTS
     queues = {r: [a for a in acts if a is not None] for r, acts in order.items()}
     finished: dict[tuple, float] = {}
@@ -51,7 +52,9 @@ def simulate(order: dict[int, list[Action | None]], num_stages: int,
         r, start = best
         a = queues[r].pop(0)
         parts = a.sub_actions if a.computation_type == OVERLAP_F_B else (a,)
-        end = start + sum(costs[p.computation_type] for p in parts)  # no compute/communication overlap modelled
+        # no compute/communication overlap modelled
+        end = start + sum(costs.get((p.stage_index, p.computation_type), costs.get(p.computation_type, 0.0))
+                          for p in parts)
         free[r] = end
         for p in parts:
             s, k, m = p.stage_index, p.computation_type, p.microbatch_index
