@@ -179,3 +179,34 @@ def test_bad_arguments():
     model.register_comm_hook(None, default_hooks.allreduce_hook)
     with pytest.raises(RuntimeError, match="already registered"):
         model.register_comm_hook(None, default_hooks.allreduce_hook)
+
+
+def test_keras_hub_llama_under_ddp_fits_like_one_device():
+    """keras-hub's Llama (dict inputs: token ids and padding mask) under DDP through compile/fit: each
+    replica runs its rows, the gradients are averaged, and after 2 SGD steps the losses and every
+    replica's weights equal one device's."""
+    keras_hub = pytest.importorskip("keras_hub", reason="keras-hub is a test extra: pip install -e '.[test]'")
+    hub = dict(vocabulary_size=64, num_layers=2, hidden_dim=32, intermediate_dim=64, num_query_heads=4,
+               num_key_value_heads=2)
+
+    def lm():
+        keras.utils.set_random_seed(0)
+        return keras_hub.models.LlamaCausalLM(backbone=keras_hub.models.LlamaBackbone(**hub), preprocessor=None)
+
+    ids = np.random.default_rng(0).integers(0, 64, (16, 8)).astype("int32")
+    x, y = {"token_ids": ids, "padding_mask": np.ones_like(ids)}, np.roll(ids, -1, axis=1)
+    sce = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    ref, model = lm(), DDP(lm(), device_mesh=dp_mesh())
+    histories = []
+    for m in (ref, model):
+        m.compile(optimizer=keras.optimizers.SGD(0.5), loss=sce)
+        histories.append(m.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False).history["loss"])
+    np.testing.assert_allclose(histories[1], histories[0], rtol=1e-5)
+    want = {v.path: v.numpy() for v in ref.trainable_variables}
+    reps = model._ddp.replicas
+    assert len(reps.stacked) == len(want)
+    for original, stacked in zip(reps.originals, reps.stacked):
+        got = gather_to_numpy(stacked)
+        assert got.shape == (R,) + want[original.path].shape
+        np.testing.assert_allclose(got, np.broadcast_to(want[original.path], got.shape), atol=1e-6,
+                                   err_msg=original.path)

@@ -190,15 +190,17 @@ def _replica_call(modules, module: Any) -> Callable:
     """The module's call run per replica on its rows; the gradients go through the comm hook."""
 
     def call(original, inputs, *args, **kwargs):
-        x = as_tf(inputs)
-        if modules.is_symbolic(x) or not isinstance(x, tf.Tensor):
+        x = tf.nest.map_structure(as_tf, inputs)  # a tensor, or a nest of them (keras-hub's dict inputs)
+        leaves = tf.nest.flatten(x)
+        if not leaves or any(modules.is_symbolic(t) or not isinstance(t, tf.Tensor) for t in leaves):
             return original(inputs, *args, **kwargs)
         own = _registry.module(module).ddp
         reps = own.replicas
-        if x.shape.rank in (None, 0) or (x.shape[0] is not None and x.shape[0] % reps.count):
-            raise ValueError(f"DistributedDataParallel: the batch ({x.shape[0] if x.shape.rank else x.shape}) must "
-                             f"split evenly over the {reps.count} replicas.")
-        x = on_mesh(x, reps.mesh)
+        for t in leaves:
+            if t.shape.rank in (None, 0) or (t.shape[0] is not None and t.shape[0] % reps.count):
+                raise ValueError(f"DistributedDataParallel: the batch ({t.shape[0] if t.shape.rank else t.shape}) "
+                                 f"must split evenly over the {reps.count} replicas.")
+        x = tf.nest.map_structure(lambda t: on_mesh(t, reps.mesh), x)
 
         def fn(x_i, weights):
             with modules.read_as([(v, tf.cast(w, v.dtype)) for v, w in zip(reps.originals, weights)]):
