@@ -47,6 +47,18 @@ def ancestors(op) -> set:
     return seen
 
 
+def bfs_up(op):
+    """``op``'s ancestors, nearest first."""
+    queue, seen = [op], {op}
+    while queue:
+        cur = queue.pop(0)
+        yield cur
+        for parent in [t.op for t in cur.inputs] + list(cur.control_inputs):
+            if parent not in seen:
+                seen.add(parent)
+                queue.append(parent)
+
+
 class Program:
     """The traced forward + backward of sum(model(x)^2), and where each kernel is read and gathered."""
 
@@ -146,16 +158,21 @@ def test_unshard_in_the_step_drops_the_wait():
 def test_fsdp1_prefetch_arguments(backward):
     """FSDP1 with each Dense a unit: forward_prefetch=True chains the units in the forward;
     BACKWARD_PRE lets d1's backward gather start with d2's backward, BACKWARD_POST after d2's
-    input gradient, None with d1's own."""
+    input gradient, None (no prefetch) after d2's kernel gradient is reduce-scattered, as torch
+    issues d1's gather after d2's reduce-scatter on its one communication stream."""
     keras.utils.set_random_seed(0)
     model = FSDP(make(), auto_wrap_policy=ModuleWrapPolicy({keras.layers.Dense}), forward_prefetch=True,
                  backward_prefetch=backward, device_mesh=tfdist.init_device_mesh("cpu", (N,), mesh_dim_names=("dp",)))
     d0, d1, d2 = model.layers
     p = Program(model)
     assert p.forward_einsum(d0) not in ancestors(p.forward_gather(d1))
+    d1_gather = ancestors(p.backward_gather(d1))
     d2_backward = p.backward_read(d2)  # d2's gather again: precedes d2's input gradient
-    after_d2 = d2_backward in ancestors(p.backward_gather(d1))
-    assert after_d2 == (backward != BackwardPrefetch.BACKWARD_PRE)
+    assert (d2_backward in d1_gather) == (backward != BackwardPrefetch.BACKWARD_PRE)
+    # the step's outputs are the gradients in trainable-variable order: d2's kernel is the 5th;
+    # its reduce-scatter ends in the local sum after the all-to-all
+    d2_reduced = next(op for op in bfs_up(p.graph.outputs[4].op) if op.type == "Sum")
+    assert (d2_reduced in d1_gather) == (backward is None)
     assert_values(p)
 
 

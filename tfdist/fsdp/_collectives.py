@@ -82,9 +82,9 @@ def _scatter_grad(full_grad: tf.Tensor, param: ShardedParam, dtype: tf.DType) ->
     grad = dtensor.relayout(tf.cast(full_grad, dtype), param.full_layout)
     grad = grad if not param.sharded else relayout(grad, param.shard_layout, source=param.full_layout)
     if param.sync is None:
-        return grad
+        return _published_reduced(grad, param)
     total = param.sync.hold_or_release((id(param), "slice"), grad, param.shard_layout)
-    return _zero_grad(param, grad.shape, dtype) if total is None else total
+    return _zero_grad(param, grad.shape, dtype) if total is None else _published_reduced(total, param)
 
 
 def _zero_grad(param: ShardedParam, shape: tf.TensorShape, dtype: tf.DType) -> tf.Tensor:
@@ -129,8 +129,8 @@ def _reduce_scatter_stacked(
             return _zero_grad(param, stacked.shape[1:], dtype)
         stacked = held
         if param.sync.comm_hook is not None:
-            return _through_comm_hook(stacked, stacked_specs, param, dtype)
-    return _sum_scatter(stacked, stacked_specs, param, dtype)
+            return _published_reduced(_through_comm_hook(stacked, stacked_specs, param, dtype), param)
+    return _published_reduced(_sum_scatter(stacked, stacked_specs, param, dtype), param)
 
 
 def _sum_scatter(stacked: tf.Tensor, stacked_specs: list[str], param: ShardedParam, dtype: tf.DType) -> tf.Tensor:
@@ -256,7 +256,7 @@ def sharded_einsum(
 
         def grad(dy):
             dy = dtensor.relayout(tf.cast(dy, dtype), y_layout)
-            _publish(param, lambda: _device_zeros(dy, y_specs, parts, mesh, batch_sharded), after_compute=False)
+            _publish(param, lambda: _device_zeros(dy, y_specs, parts, mesh, batch_sharded), at="pre")
             if regather is not None and param.sharded:
                 zeros = _device_zeros(dy, y_specs, parts, mesh, batch_sharded)
                 tie = param.order.backward_tie(zeros) if param.order is not None else zeros
@@ -264,7 +264,7 @@ def sharded_einsum(
             else:
                 again = full
             dx = dtensor.relayout(tf.einsum(f"{out},{ker}->{inp}", dy, again), x_layout)
-            _publish(param, lambda: _device_zeros(dx, x_specs, parts, mesh, batch_sharded), after_compute=True)
+            _publish(param, lambda: _device_zeros(dx, x_specs, parts, mesh, batch_sharded), at="post")
             rdtype = reduce_dtype or dtype
             grads = [dx]
             if batch_sharded:
@@ -297,13 +297,29 @@ def _device_zeros(
     return tf.reduce_sum(t) * 0
 
 
-def _publish(param: ShardedParam, zeros, *, after_compute: bool) -> None:
-    """Tells the groups ``param``'s group prefetches in the backward that it has started
-    (``zeros``: a tensor, or a function making it, run only when some group listens)."""
+def _publish(param: ShardedParam, zeros, *, at: str) -> None:
+    """Tells the groups ``param``'s group prefetches in the backward that it has reached ``at``
+    (``GatherOrder.backward_at``; ``zeros``: a tensor, or a function making it, run only when some
+    group listens)."""
     order = param.order
-    if order is None or not order.backward_targets or after_compute != order.backward_post:
+    if order is None or not order.backward_targets or at != order.backward_at:
         return
-    order.backward_publish(zeros() if callable(zeros) else zeros, after_compute=after_compute)
+    order.backward_publish(zeros() if callable(zeros) else zeros, at=at)
+
+
+def _published_reduced(grad: tf.Tensor, param: ShardedParam) -> tf.Tensor:
+    """``grad`` (a reduced gradient shard), after telling the groups ``param``'s group prefetches
+    with ``backward_at="reduced"`` (FSDP1 without backward prefetch) that its reduction is done."""
+    def zeros():
+        if not param.sharded:
+            return tf.reduce_sum(grad) * 0
+        others = [d for d in range(grad.shape.rank) if d != param.dim]
+        per_row = tf.reduce_sum(grad, axis=others) if others else grad  # the shard dim, on dp: local
+        mesh, dp = param.shard_layout.mesh, param.dp
+        return _device_zeros(per_row, [dp], mesh.dim_size(dp), mesh, True)
+
+    _publish(param, zeros, at="reduced")
+    return grad
 
 
 def _tied_to(shard: tf.Tensor, zeros: tf.Tensor, param: ShardedParam, parts: int) -> tf.Tensor:
@@ -382,9 +398,8 @@ def sharded_lookup(
         def grad(dy):
             rdtype = reduce_dtype or dtype
             dy = dtensor.relayout(tf.cast(dy, rdtype), dtensor.Layout(out_specs, mesh))
-            for after_compute in (False, True):  # a lookup's backward has no input gradient to wait for
-                _publish(param, lambda: _device_zeros(dy, out_specs, parts, mesh, batch_sharded),
-                         after_compute=after_compute)
+            for at in ("pre", "post"):  # a lookup's backward has no input gradient to wait for
+                _publish(param, lambda: _device_zeros(dy, out_specs, parts, mesh, batch_sharded), at=at)
             if not batch_sharded:
                 one_hot = tf.one_hot(ids, vocab, dtype=rdtype)
                 return _scatter_grad(tf.einsum(f"{lead}v,{lead}d->vd", one_hot, dy), param, table.dtype)
@@ -444,8 +459,8 @@ def per_shard_call(
                                  dtensor.Layout(specs, mesh)) for f, specs in zip(fulls, stacked_specs)]
 
     def reduce_scatter(grads, dy, dx):
-        _publish(param0, lambda: rows(dy), after_compute=False)
-        _publish(param0, lambda: rows(dy if dx is None else dx), after_compute=True)
+        _publish(param0, lambda: rows(dy), at="pre")
+        _publish(param0, lambda: rows(dy if dx is None else dx), at="post")
         out = []
         for g, p, s, specs in zip(grads, params, shards, stacked_specs):
             if g is None:  # a weight this call does not use (an untied embedding's other table)

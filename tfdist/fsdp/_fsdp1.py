@@ -217,19 +217,22 @@ def _strategy_args(strategy: ShardingStrategy) -> dict:
 def _chain_prefetch(modules, root: Any, units: list[Any], forward: bool, backward: BackwardPrefetch | None) -> None:
     """FSDP1's prefetch arguments as FSDP2's lists: the units in forward order (the root first,
     then its units as the model lists them), each prefetching the next one in the forward
-    (``forward_prefetch``) and, with ``backward_prefetch``, the one before it in the backward (the
-    root's backward starts with its last layers, so the root prefetches the last unit)."""
+    (``forward_prefetch``) and, in the backward, the one before it (the root's backward starts with
+    its last layers, so the root prefetches the last unit) from the point ``backward_prefetch``
+    names: the unit's output gradient (PRE), its input gradient (POST), or, with None, its
+    reduce-scattered gradients (no prefetch: torch issues the next gather after them)."""
     position = {id(layer): i for i, (_, layer) in enumerate(modules.named_layers(root))}
     ordered = sorted(units, key=lambda u: position[id(u)])
     chain = [root] + ordered
     if forward:
         for a, b in zip(chain, chain[1:]):
             a.set_modules_to_forward_prefetch([b])
-    if backward is not None and ordered:
+    if ordered:  # None: each unit's gather still follows the later unit's reduce-scatter, as torch issues it
         backward_chain = [root] + ordered[::-1]
+        at = {BackwardPrefetch.BACKWARD_PRE: "pre", BackwardPrefetch.BACKWARD_POST: "post", None: "reduced"}[backward]
         for a, b in zip(backward_chain, backward_chain[1:]):
             a.set_modules_to_backward_prefetch([b])
-            a._fsdp_state.order.backward_post = backward == BackwardPrefetch.BACKWARD_POST
+            a._fsdp_state.order.backward_at = at
 
 
 _UNIT_ARGS = {"sharding_strategy", "mixed_precision"}  # what a CustomPolicy dict may set per unit

@@ -42,9 +42,13 @@ class GatherOrder:
     def __init__(self) -> None:
         self.forward_targets: list[GatherOrder] = []
         self.backward_targets: list[GatherOrder] = []
-        self.backward_post = False  # FSDP1 BACKWARD_POST: trigger after the layer's gradient
+        # what starts the groups this one prefetches in the backward: its layer's output gradient
+        # ("pre", FSDP2 and FSDP1 BACKWARD_PRE), its input gradient ("post", BACKWARD_POST), or its
+        # reduced gradient ("reduced", FSDP1 backward_prefetch=None: no prefetch, the next gather
+        # issued after this group's reduce-scatter, as on torch's one communication stream)
+        self.backward_at = "pre"
         self._forward: tuple[object, object] | None = None  # (graph, tensor or _NO_WAIT)
-        self._backward: tuple[object, tf.Tensor] | None = None
+        self._backward: tuple[object, tf.Tensor, str] | None = None
 
     def forward_wait(self, own: tf.Tensor) -> list[tf.Tensor]:
         """The control inputs of this group's forward gather whose layer input is ``own``; the
@@ -65,18 +69,24 @@ class GatherOrder:
         if tf.inside_function():
             self._forward = (_graph(), _NO_WAIT)
 
-    def backward_publish(self, zeros: tf.Tensor, *, after_compute: bool) -> None:
+    def backward_publish(self, zeros: tf.Tensor, *, at: str) -> None:
         """A layer of this group runs its backward: ``zeros`` (computed from its output gradient,
-        or, ``after_compute``, its input gradient) starts the groups this one prefetches."""
-        if not tf.inside_function() or after_compute != self.backward_post:
+        ``at="pre"``; its input gradient, ``"post"``; or a reduced gradient, ``"reduced"``) starts the
+        groups this one prefetches when ``at`` is this group's ``backward_at``."""
+        if not tf.inside_function() or at != self.backward_at:
             return
         graph = _graph()
         for target in self.backward_targets:
-            if after_compute or target._backward is None or target._backward[0] is not graph:
-                target._backward = (graph, zeros)  # PRE: the first layer's; POST: the last one's
+            current = target._backward if target._backward is not None and target._backward[0] is graph else None
+            if at == "reduced" and current is not None:  # after every reduction of the group, not only the last
+                target._backward = (graph, current[1] + zeros, at)
+            elif at != "pre" or current is None:
+                target._backward = (graph, zeros, at)  # pre: the first layer's; post: the last one's
 
     def backward_tie(self, own: tf.Tensor) -> tf.Tensor:
-        """The zeros this group's backward gather is tied to: a prefetching group's, else ``own``."""
+        """The zeros this group's backward gather is tied to: a prefetching group's, else ``own``;
+        after a "reduced" trigger both (no prefetch: the gather waits for its own layer too)."""
         if tf.inside_function() and self._backward is not None and self._backward[0] is _graph():
-            return self._backward[1]
+            _, zeros, at = self._backward
+            return own + zeros if at == "reduced" else zeros
         return own
