@@ -43,6 +43,14 @@ def launch(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
                           env=ENV, timeout=timeout)
 
 
+def assert_same_run(multi, single, *, rtol: float, atol: float) -> None:
+    """Two runs' .npz (``loss`` and the weights) agree: the losses within ``rtol``, every array within ``atol``."""
+    a, b = np.load(multi), np.load(single)
+    np.testing.assert_allclose(a["loss"], b["loss"], rtol=rtol)
+    for key in a.files:
+        np.testing.assert_allclose(a[key], b[key], atol=atol, err_msg=key)
+
+
 @pytest.mark.parametrize("nproc", [1, 2, 4])
 def test_dtensor_values_on_every_rank(nproc):
     out = launch("--nproc-per-node", str(nproc), "--devices-per-proc", "2",
@@ -62,10 +70,7 @@ def test_tensor_parallel_fit_across_clients_equals_one_process(tmp_path, nproc, 
     ref = subprocess.run([sys.executable, str(HERE / "tp_fit.py"), str(single), total, "none"],
                          capture_output=True, text=True, env=ENV, timeout=240)
     assert ref.returncode == 0, ref.stderr[-3000:]
-    a, b = np.load(multi), np.load(single)
-    np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-6)
-    for key in a.files:
-        np.testing.assert_allclose(a[key], b[key], atol=1e-6)
+    assert_same_run(multi, single, rtol=1e-6, atol=1e-6)
 
 
 def test_a_killed_client_stops_the_rest_in_bounded_time():
@@ -470,10 +475,7 @@ def test_keras_distribution_initialize_starts_the_clients_and_fit_equals_one_pro
     ref = subprocess.run([sys.executable, "-c", code, str(single)], capture_output=True, text=True, env=ENV,
                          timeout=240)
     assert ref.returncode == 0, ref.stderr[-3000:]
-    a, b = np.load(multi), np.load(single)
-    np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-5)
-    for key in a.files:
-        np.testing.assert_allclose(a[key], b[key], atol=1e-5)
+    assert_same_run(multi, single, rtol=1e-5, atol=1e-5)
 
 
 def test_distributed_optimizer_across_clients():
