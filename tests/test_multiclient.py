@@ -406,6 +406,12 @@ def test_gpt_3d_across_clients_trains_like_one_device_and_its_checkpoint_crosses
         # a 16 x 8 float64 batch: the dp half (512 B) between congruent sub-meshes, else the whole (1024 B)
         assert f"[rank {rank}] OK rank {rank} congruent boundary bytes sent 512" in out.stdout
         assert f"[rank {rank}] OK rank {rank} 1-D boundary bytes sent 1024" in out.stdout
+    # one device per client: each client is one torch rank and sends exactly its dp half (512 B)
+    out = launch("--nproc-per-node", "4", "--devices-per-proc", "1", "--master-port", str(free_base_port(4)),
+                 script, "one-device", timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for rank in range(4):
+        assert f"[rank {rank}] OK rank {rank} one device per client boundary bytes sent 512" in out.stdout
 
 
 def test_the_documented_gpt_3d_recipe_runs_as_written(tmp_path):

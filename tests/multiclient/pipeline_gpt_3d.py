@@ -3,6 +3,7 @@
     tfdist run --nproc-per-node 4 --devices-per-proc 2 pipeline_gpt_3d.py train <ckpt>   # pp x (FSDP x TP)
     tfdist run --nproc-per-node 1 --devices-per-proc 8 pipeline_gpt_3d.py single <ckpt> <ckpt2>
     tfdist run --nproc-per-node 4 --devices-per-proc 2 pipeline_gpt_3d.py reload <ckpt2>
+    tfdist run --nproc-per-node 4 --devices-per-proc 1 pipeline_gpt_3d.py one-device
 
 train: pp = 2 stage groups, each a (dp, tp) = 2 x 2 sub-mesh spanning 2 clients, the GPT plan over tp and
 FSDP over dp inside every stage. For each schedule (SCHEDULES, comma-separated, selects some), STEPS Adam
@@ -11,7 +12,9 @@ whole batch. The last schedule's stages save their state dicts into <ckpt> (each
 single: one client, the un-pipelined GPT on a 4 x 2 (dp, tp) mesh, loads <ckpt>: the one-device weights
 after STEPS steps; then one more Adam step, saved into <ckpt2> with the weights as numpy in <ckpt2>.npz.
 reload: the 4 clients' pipeline stages load <ckpt2>: the single client's weights (first, placements of
-stages spanning clients that cannot run are refused on every client).
+stages spanning clients that cannot run are refused on every client); then the bytes of a boundary between
+congruent sub-meshes (shard-wise) and between meshes of different shapes (whole tensors).
+one-device: the shard-wise boundary with one device per client, each client one torch rank.
 """
 
 import os
@@ -113,6 +116,35 @@ def check_weights(stages, want, what):
             np.testing.assert_allclose(value, want[key], rtol=1e-8, atol=1e-10, err_msg=f"{what} {key}")
 
 
+def boundary_bytes(name, meshes, names, second_names=None):
+    """The bytes a stage boundary carries: two Dense stages with FSDP over dp (outputs sharded over dp),
+    stage g on ``meshes[g]`` held by clients 2g and 2g+1, a 16 x 8 float64 batch in 4 microbatches. Client
+    pairs holding the same coordinates of congruent sub-meshes carry their dp half shard-wise, other pairs
+    the whole tensor. Outputs and gradients equal numpy's either way."""
+    xb, yb = rng.standard_normal((16, 8)), rng.standard_normal((16, 8))
+    kernels = [rng.standard_normal((8, 8)) / 3 for _ in range(2)]
+    h = np.tanh(xb @ kernels[0])
+    dy = 2 * (h @ kernels[1] - yb) / (yb.size / 4)  # the loss is a mean per microbatch, summed over 4
+    want_grads = [xb.T @ (dy @ kernels[1].T * (1 - h ** 2)), h.T @ dy]
+    subs = [DeviceMesh("cpu", meshes[0], mesh_dim_names=names),
+            DeviceMesh("cpu", meshes[1], mesh_dim_names=second_names or names)]
+    g = rank // 2
+    part = keras.layers.Dense(8, use_bias=False, activation="tanh" if g == 0 else None)
+    part.build((None, 8))
+    part.kernel.assign(kernels[g])
+    fully_shard(part, mesh=subs[g]["dp"])
+    stage = P.PipelineStage(part, g, 2, subs[g])
+    schedule = P.ScheduleGPipe(stage, n_microbatches=4,
+                               loss_fn=lambda out, t: tf.reduce_mean((out - t) ** 2), scale_grads=False)
+    schedule.p2p_timeout = schedule.stall_timeout = 120.0
+    out = schedule.step(*((xb,) if g == 0 else ()), target=yb if g == 1 else None)
+    if g == 1:
+        np.testing.assert_allclose(full(out), h @ kernels[1], rtol=1e-12)
+    np.testing.assert_allclose(full(stage.grads[0]), want_grads[g], rtol=1e-10, err_msg=name)
+    sent = sum(ch.bytes_sent for ch, _, _ in schedule._channel_list())
+    print(f"OK rank {rank} {name} boundary bytes sent {sent}", flush=True)
+
+
 # schedule -> (number of stages, stage -> stage group)
 SINGLE, LOOPED, V_SHAPE = (2, lambda i: i), (4, lambda i: i % 2), (4, lambda i: min(i, 3 - i))
 SCHEDULES = {
@@ -168,7 +200,7 @@ elif mode == "single":
     dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=sys.argv[3])
     np.savez(sys.argv[3] + ".npz", **after)
     print(f"OK single loaded {len(want)} tensors, saved", flush=True)
-else:
+elif mode == "reload":
     # placements refused on every client, before any program runs: neighbouring stages on different
     # numbers of clients, and a client holding stages of two pipeline ranks
     def refusal(meshes, stage_of_client, cls):
@@ -196,31 +228,8 @@ else:
     check_weights(stages, want, "reload")
     print(f"OK rank {rank} reloaded stages {[st.stage_index for st in stages]}", flush=True)
 
-    # the boundary's bytes: two Dense stages with FSDP over dp (outputs sharded over dp), a 16 x 8 float64
-    # batch in 4 microbatches. Client pairs holding the same coordinates of congruent sub-meshes carry their
-    # dp half shard-wise; when the second stage is FSDP over a 1-D dp = 4 mesh instead, each pair carries
-    # the whole tensor. Outputs and gradients equal numpy's either way.
-    xb, yb = rng.standard_normal((16, 8)), rng.standard_normal((16, 8))
-    kernels = [rng.standard_normal((8, 8)) / 3 for _ in range(2)]
-    h = np.tanh(xb @ kernels[0])
-    dy = 2 * (h @ kernels[1] - yb) / (yb.size / 4)  # the loss is a mean per microbatch, summed over 4
-    want_grads = [xb.T @ (dy @ kernels[1].T * (1 - h ** 2)), h.T @ dy]
-    for name, second in (("congruent", DeviceMesh("cpu", [[4, 5], [6, 7]], mesh_dim_names=("dp", "tp"))),
-                         ("1-D", DeviceMesh("cpu", [4, 5, 6, 7], mesh_dim_names=("dp",)))):
-        subs = [DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("dp", "tp")), second]
-        g = rank // 2
-        part = keras.layers.Dense(8, use_bias=False, activation="tanh" if g == 0 else None)
-        part.build((None, 8))
-        part.kernel.assign(kernels[g])
-        fully_shard(part, mesh=subs[g]["dp"])
-        stage = P.PipelineStage(part, g, 2, subs[g])
-        schedule = P.ScheduleGPipe(stage, n_microbatches=4,
-                                   loss_fn=lambda out, t: tf.reduce_mean((out - t) ** 2), scale_grads=False)
-        schedule.p2p_timeout = schedule.stall_timeout = 120.0
-        out = schedule.step(*((xb,) if g == 0 else ()), target=yb if g == 1 else None)
-        if g == 1:
-            np.testing.assert_allclose(full(out), h @ kernels[1], rtol=1e-12)
-        np.testing.assert_allclose(full(stage.grads[0]), want_grads[g], rtol=1e-10, err_msg=name)
-        sent = sum(ch.bytes_sent for ch, _, _ in schedule._channel_list())
-        print(f"OK rank {rank} {name} boundary bytes sent {sent}", flush=True)
+    boundary_bytes("congruent", [[[0, 1], [2, 3]], [[4, 5], [6, 7]]], ("dp", "tp"))
+    boundary_bytes("1-D", [[[0, 1], [2, 3]], [4, 5, 6, 7]], ("dp", "tp"), ("dp",))
+elif mode == "one-device":  # 4 clients x 1 device: each client is one torch rank
+    boundary_bytes("one device per client", [[0, 1], [2, 3]], ("dp",))
 tfdist.barrier()
