@@ -159,3 +159,25 @@ def test_gather_order_repro_and_the_reduce_lowering_way_out():
     env.pop("LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2", None)
     out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=180, env=env)
     assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-2000:]
+
+
+def test_get_group_is_the_one_dim_mesh_functional_collectives_take(mesh_2d):
+    """torch's get_group(mesh_dim): here the 1-D mesh along that dim. An all-reduce over
+    get_group("tp") sums each dp row's four shards (numpy reference)."""
+    import tfdist._functional_collectives as fc
+
+    assert mesh_2d.get_group("tp") == mesh_2d["tp"] and mesh_2d.get_group(0) == mesh_2d["dp"]
+    assert mesh_2d.get_group(-1).shape == (4,) and mesh_2d.get_all_groups() == [mesh_2d["dp"], mesh_2d["tp"]]
+    assert mesh_2d["tp"].get_group() == mesh_2d["tp"]
+    with pytest.raises(ValueError, match="mesh_dim is required for a 2-D mesh"):
+        mesh_2d.get_group()
+    with pytest.raises(ValueError, match="mesh_dim 'pp' is not a dim"):
+        mesh_2d.get_group("pp")
+    x = np.arange(8 * 16, dtype=np.float32).reshape(8, 16)
+    d = distribute_tensor(x, mesh_2d, [Shard(0), Shard(1)])  # device (i, j): rows 4i.., columns 4j..
+    summed = fc.all_reduce(d, "sum", mesh_2d.get_group("tp"))
+    for (i, j), local in zip([(i, j) for i in range(2) for j in range(4)], summed.local_tensors()):
+        want = sum(x[4 * i:4 * i + 4, 4 * k:4 * k + 4] for k in range(4))
+        np.testing.assert_array_equal(local.numpy(), want, err_msg=f"device ({i}, {j})")
+    unnamed = DeviceMesh("cpu", np.arange(8).reshape(2, 4))
+    assert unnamed.get_group(1).shape == (4,) and unnamed.get_group(1).mesh_dim_names is None

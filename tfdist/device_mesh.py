@@ -413,6 +413,35 @@ class DeviceMesh:
         return self.get_coordinate()[self._dim_index(mesh_dim)]
 
     # -- slicing ---------------------------------------------------------------
+    def get_group(self, mesh_dim: int | str | None = None) -> DeviceMesh:
+        """The group along ``mesh_dim``: in tfdist, the 1-D mesh of that dim (what ``mesh["tp"]``
+        gives), which tfdist takes wherever torch takes a group (functional collectives'
+        ``group``). TF DTensor has no process groups; a 1-D mesh stands for one group per
+        coordinate of the other dims, as torch's ``get_group`` returns each rank its own group. On
+        a 1-D mesh ``mesh_dim`` may be left out.
+
+        Example:
+            >>> mesh = tfdist.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+            >>> tp = mesh.get_group("tp")       # funcol.all_reduce(x, "sum", tp)
+            >>> tp.shape, mesh.get_group(0) == mesh["dp"]
+            ((4,), True)
+        """
+        if mesh_dim is None:
+            if self.ndim != 1:
+                raise ValueError(f"mesh_dim is required for a {self.ndim}-D mesh (which of {self.axis_names}). "
+                                 "Received: mesh_dim=None")
+            return self
+        d = self._dim_index(mesh_dim)
+        if self.ndim == 1:
+            return self
+        child = DeviceMesh.__new__(DeviceMesh)
+        child._init_from_tf(self._tf_mesh, named=self._named, dims=(self._dims[d],), root=self.root_mesh)
+        return child
+
+    def get_all_groups(self) -> list[DeviceMesh]:
+        """``get_group`` of every mesh dim, in order."""
+        return [self.get_group(d) for d in range(self.ndim)]
+
     def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:
         if not self._named:
             raise KeyError(
