@@ -27,7 +27,7 @@ def _sharded(x: np.ndarray, mesh: dtensor.Mesh, specs: list[str]) -> tf.Tensor:
 def test_a_dp_sharded_tensor_crosses_as_its_dp_halves_once_and_lands_in_the_same_layout():
     a, b = _meshes()
     x = np.arange(8 * 6, dtype=np.float64).reshape(8, 6)
-    wire = to_wire(_sharded(x, a, ["dp", dtensor.UNSHARDED]), shardwise=True)
+    wire = to_wire(_sharded(x, a, ["dp", dtensor.UNSHARDED]), a)
     assert wire.spec == (0, -1) and wire.shape == (8, 6)
     # the tp replicas are not sent twice: one part per dp coordinate, in coordinate order
     assert [p.numpy().tolist() for p in wire.shards] == [x[:4].tolist(), x[4:].tolist()]
@@ -41,7 +41,7 @@ def test_a_dp_sharded_tensor_crosses_as_its_dp_halves_once_and_lands_in_the_same
 def test_a_tensor_sharded_over_both_dims_crosses_as_its_four_blocks():
     a, b = _meshes()
     x = np.arange(4 * 8, dtype=np.float32).reshape(4, 8)
-    wire = to_wire(_sharded(x, a, ["tp", "dp"]), shardwise=True)
+    wire = to_wire(_sharded(x, a, ["tp", "dp"]), a)
     assert wire.spec == (1, 0) and [tuple(p.shape) for p in wire.shards] == [(2, 4)] * 4
     got = from_wire(wire, b)
     assert dtensor.fetch_layout(got) == dtensor.Layout(["tp", "dp"], b)
@@ -53,18 +53,21 @@ def test_a_tensor_sharded_over_both_dims_crosses_as_its_four_blocks():
 def test_other_pairs_and_plain_tensors_carry_the_whole_tensor():
     a, b = _meshes()
     x = np.arange(12, dtype=np.float32).reshape(4, 3)
-    wire = to_wire(_sharded(x, a, ["dp", dtensor.UNSHARDED]), shardwise=False)
+    wire = to_wire(_sharded(x, a, ["dp", dtensor.UNSHARDED]), None)
     assert wire.spec == (-1, -1) and len(wire.shards) == 1
     np.testing.assert_array_equal(from_wire(wire, b).numpy(), x)
-    plain = to_wire(tf.constant(x), shardwise=True)
+    on_another_mesh = to_wire(_sharded(x, b, ["dp", dtensor.UNSHARDED]), a)  # not the stage's mesh: whole
+    assert on_another_mesh.spec == (-1, -1)
+    np.testing.assert_array_equal(on_another_mesh.shards[0].numpy(), x)
+    plain = to_wire(tf.constant(x), a)
     assert plain.spec == (-1, -1)
     np.testing.assert_array_equal(from_wire(plain, None).numpy(), x)
 
 
 def test_the_header_tells_the_receiver_each_part_shape_and_count():
     a, b = _meshes()
-    wires = (to_wire(_sharded(np.zeros((8, 6)), a, ["dp", dtensor.UNSHARDED]), shardwise=True),
-             to_wire(tf.zeros((3,), tf.int32), shardwise=True))
+    wires = (to_wire(_sharded(np.zeros((8, 6)), a, ["dp", dtensor.UNSHARDED]), a),
+             to_wire(tf.zeros((3,), tf.int32), a))
     coordinates = [(0, 0), (0, 1), (1, 0), (1, 1)]  # one client holding the whole receiving mesh
     metas = _metas(_header(wires), b.shape(), coordinates)
     assert metas == [((8, 6), tf.float64, (0, -1), [4, 6], 2), ((3,), tf.int32, (-1,), [3], 1)]

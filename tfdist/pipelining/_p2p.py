@@ -102,10 +102,12 @@ def _shard_key(coordinate: tuple[int, ...], spec: tuple[int, ...]) -> tuple[int,
     return tuple(coordinate[d] for d in spec if d >= 0)
 
 
-def to_wire(t: Any, shardwise: bool) -> Wire:
-    """``t`` as a channel sends it: its distinct local shards when ``shardwise`` and ``t`` is a
-    DTensor, else the whole tensor (a sharded DTensor is replicated first)."""
-    if shardwise and isinstance(t, tf.Tensor) and dtensor.is_dtensor(t):
+def to_wire(t: Any, mesh: dtensor.Mesh | None) -> Wire:
+    """``t`` as a channel sends it: its distinct local shards when it is a DTensor on ``mesh`` (the
+    sending stage's sub-mesh, given when the pair's sub-meshes are congruent), else the whole tensor
+    (a sharded DTensor is replicated first)."""
+    if mesh is not None and isinstance(t, tf.Tensor) and dtensor.is_dtensor(t) and (
+            dtensor.fetch_layout(t).mesh == mesh):
         layout = dtensor.fetch_layout(t)
         names = layout.mesh.dim_names
         spec = tuple(-1 if s == dtensor.UNSHARDED else names.index(s) for s in layout.sharding_specs)
@@ -163,14 +165,13 @@ class Channel:
         source_device, target_device: full device names of the sending and receiving stages.
         sending: whether this client is the sending side.
         timeout: seconds a transfer may wait for the other side before TF fails it.
-        shardwise: whether tensors cross shard-wise (congruent sub-meshes; the same on both clients).
         mesh: the receiving stage's TF mesh (None for a stage on one device).
     """
 
     def __init__(self, index: int, source_device: str, target_device: str, sending: bool,
-                 timeout: float, shardwise: bool = False, mesh: dtensor.Mesh | None = None) -> None:
+                 timeout: float, mesh: dtensor.Mesh | None = None) -> None:
         self.index, self.sending, self.timeout = index, sending, timeout
-        self.shardwise, self.mesh = shardwise, mesh
+        self.mesh = mesh
         self.device = source_device if sending else target_device
         self._ends = (source_device, target_device)
         self.group_key = group_key(index, source_device, target_device)  # the header's

@@ -346,9 +346,9 @@ class _PipelineSchedule:
                     src, dst = a.devices_of(ca)[0], b.devices_of(cb)[0]
                     wise = _congruent(a, ca, b, cb)
                     self._shardwise[(s, "F")] = self._shardwise[(s + 1, "dx")] = wise
-                    forward = Channel(channel_index(s, 0, i), src, dst, ca == self._client, self.p2p_timeout, wise,
+                    forward = Channel(channel_index(s, 0, i), src, dst, ca == self._client, self.p2p_timeout,
                                       self._tf_mesh(s + 1))
-                    backward = Channel(channel_index(s, 1, i), dst, src, cb == self._client, self.p2p_timeout, wise,
+                    backward = Channel(channel_index(s, 1, i), dst, src, cb == self._client, self.p2p_timeout,
                                        self._tf_mesh(s))
                     self._channels += [(forward, "F", s), (backward, "dx", s + 1)]
         return self._channels
@@ -499,8 +499,9 @@ class _PipelineSchedule:
         on the rank's thread, so that every client of a stage spanning clients issues its TF DTensor
         ops (a relayout's collective among them) in one order."""
         self._channel_list()
+        mesh = self._tf_mesh(key[0]) if self._shardwise.get(key, False) else None
         with _EAGER_LOCK:
-            return tuple(to_wire(t, self._shardwise.get(key, False)) for t in tensors)
+            return tuple(to_wire(t, mesh) for t in tensors)
 
     def _unwire(self, stage_index: int, wires: tuple) -> tuple:
         """What a channel received, as tensors of the receiving stage (shards packed on its sub-mesh)."""
