@@ -43,6 +43,15 @@ def launch(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
                           env=ENV, timeout=timeout)
 
 
+def every_client_says(nproc: int, script: str, message: str) -> None:
+    """Runs tests/multiclient/``script`` on ``nproc`` clients x 2 devices; each prints "OK rank r: ``message``"."""
+    out = launch("--nproc-per-node", str(nproc), "--devices-per-proc", "2", "--master-port",
+                 str(free_base_port(nproc)), str(HERE / script))
+    assert out.returncode == 0, out.stderr[-3000:]
+    for rank in range(nproc):
+        assert f"[rank {rank}] OK rank {rank}: {message}" in out.stdout, out.stdout[-3000:]
+
+
 def assert_same_run(multi, single, *, rtol: float, atol: float) -> None:
     """Two runs' .npz (``loss`` and the weights) agree: the losses within ``rtol``, every array within ``atol``."""
     a, b = np.load(multi), np.load(single)
@@ -486,17 +495,9 @@ def test_keras_distribution_initialize_starts_the_clients_and_fit_equals_one_pro
 
 def test_distributed_optimizer_across_clients():
     """DistributedOptimizer from tfdist.autograd contexts on variables sharded over 2 clients."""
-    out = launch("--nproc-per-node", "2", "--devices-per-proc", "2", "--master-port", str(free_base_port(2)),
-                 str(HERE / "distributed_optimizer.py"))
-    assert out.returncode == 0, out.stderr[-3000:]
-    for rank in range(2):
-        assert f"[rank {rank}] OK rank {rank}: DistributedOptimizer equals one device" in out.stdout
+    every_client_says(2, "distributed_optimizer.py", "DistributedOptimizer equals one device")
 
 
 def test_ddp_local_sgd_across_clients():
     """Replicas from client 0's weights, local SGD over 4 clients = the per-replica numpy reference."""
-    out = launch("--nproc-per-node", "4", "--devices-per-proc", "2", "--master-port", str(free_base_port(4)),
-                 str(HERE / "ddp_local_sgd.py"))
-    assert out.returncode == 0, out.stderr[-3000:]
-    for rank in range(4):
-        assert f"[rank {rank}] OK rank {rank}: local SGD replicas equal the reference" in out.stdout
+    every_client_says(4, "ddp_local_sgd.py", "local SGD replicas equal the reference")

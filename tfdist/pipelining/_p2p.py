@@ -102,6 +102,11 @@ def _shard_key(coordinate: tuple[int, ...], spec: tuple[int, ...]) -> tuple[int,
     return tuple(coordinate[d] for d in spec if d >= 0)
 
 
+def _shard_keys(coordinates: list[tuple[int, ...]], spec: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The distinct shards devices at ``coordinates`` hold under ``spec``, in the order they travel."""
+    return sorted({_shard_key(c, spec) for c in coordinates})
+
+
 def to_wire(t: Any, mesh: dtensor.Mesh | None) -> Wire:
     """``t`` as a channel sends it: its distinct local shards when it is a DTensor on ``mesh`` (the
     sending stage's sub-mesh, given when the pair's sub-meshes are congruent), else the whole tensor
@@ -113,9 +118,10 @@ def to_wire(t: Any, mesh: dtensor.Mesh | None) -> Wire:
         spec = tuple(-1 if s == dtensor.UNSHARDED else names.index(s) for s in layout.sharding_specs)
         by_key: dict[tuple[int, ...], tf.Tensor] = {}
         # components are handles on the client's devices: picking one per shard copies nothing
-        for coordinate, part in zip(_local_coordinates(layout.mesh), dtensor.unpack(t)):
+        coordinates = _local_coordinates(layout.mesh)
+        for coordinate, part in zip(coordinates, dtensor.unpack(t)):
             by_key.setdefault(_shard_key(coordinate, spec), part)
-        return Wire(tuple(t.shape.as_list()), t.dtype, spec, tuple(by_key[k] for k in sorted(by_key)))
+        return Wire(tuple(t.shape.as_list()), t.dtype, spec, tuple(by_key[k] for k in _shard_keys(coordinates, spec)))
     whole = as_local(t)
     return Wire(tuple(whole.shape.as_list()), whole.dtype, (-1,) * whole.shape.rank, (whole,))
 
@@ -125,11 +131,10 @@ def from_wire(wire: Wire, mesh: dtensor.Mesh | None) -> tf.Tensor:
     layout on ``mesh``, the receiving stage's (congruent) sub-mesh."""
     if all(d < 0 for d in wire.spec):
         return wire.shards[0]
-    keys = sorted({_shard_key(c, wire.spec) for c in _local_coordinates(mesh)})
-    parts = dict(zip(keys, wire.shards))
+    coordinates = _local_coordinates(mesh)
+    parts = dict(zip(_shard_keys(coordinates, wire.spec), wire.shards))
     specs = [dtensor.UNSHARDED if d < 0 else mesh.dim_names[d] for d in wire.spec]
-    return dtensor.pack([parts[_shard_key(c, wire.spec)] for c in _local_coordinates(mesh)],
-                        dtensor.Layout(specs, mesh))
+    return dtensor.pack([parts[_shard_key(c, wire.spec)] for c in coordinates], dtensor.Layout(specs, mesh))
 
 
 def _header(wires: tuple[Wire, ...]) -> tf.Tensor:
@@ -152,7 +157,7 @@ def _metas(header: tf.Tensor, mesh_shape: list[int] | None, coordinates: list | 
         spec = tuple(values[at + 2 + rank: at + 2 + 2 * rank])
         at += 2 + 2 * rank
         part = [n if d < 0 else n // mesh_shape[d] for n, d in zip(shape, spec)]
-        count = 1 if all(d < 0 for d in spec) else len({_shard_key(c, spec) for c in coordinates})
+        count = 1 if all(d < 0 for d in spec) else len(_shard_keys(coordinates, spec))
         metas.append((shape, dtype, spec, part, count))
     return metas
 
