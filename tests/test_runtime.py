@@ -125,3 +125,31 @@ def test_eager_gradient_of_a_dtensor_function_with_two_all_reduces_compiles():
     g1, g2 = (dtensor.unpack(g)[0].numpy() for g in tape.gradient(loss, [w1, w2]))
     np.testing.assert_allclose(g1, xs.T @ np.ones((16, 4)), rtol=1e-12)
     np.testing.assert_allclose(g2, xs.T @ (1 - np.tanh(xs @ b) ** 2), rtol=1e-12)
+
+
+def _intra_op_threads(setup: str, **env: str) -> int:
+    code = f"import tensorflow as tf, tfdist\n{setup}\ntf.constant(1.0) + 1\n" \
+           "print('THREADS', tf.config.threading.get_intra_op_parallelism_threads())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**ENV, **env}, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return int(out.stdout.split("THREADS", 1)[1].split()[0])
+
+
+def test_virtual_cpus_gives_each_op_its_devices_share_of_the_cores():
+    """8 devices over this host's cores: an op gets cores // 8 threads (at least one), counted
+    here from the process's CPU affinity; an intra-op count the user chose first stands."""
+    cores = len(os.sched_getaffinity(0))
+    assert _intra_op_threads("tfdist.virtual_cpus(8)") == max(1, cores // 8)
+    assert _intra_op_threads("tf.config.threading.set_intra_op_parallelism_threads(3)\n"
+                             "tfdist.virtual_cpus(8)") == 3
+
+
+def test_cpu_threads_per_device_counts_every_process_on_the_host(monkeypatch):
+    """``tfdist run`` starts LOCAL_WORLD_SIZE processes on a host: their devices share its cores."""
+    from tfdist import _runtime
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(32)))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert [_runtime.cpu_threads_per_device(n) for n in (1, 2, 8, 64)] == [32, 16, 4, 1]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert [_runtime.cpu_threads_per_device(n) for n in (1, 2, 8, 64)] == [8, 4, 1, 1]

@@ -97,7 +97,12 @@ def virtual_cpus(n: int = 8) -> list[str]:
     fixes malloc's mmap threshold at 1 MiB, so the devices' large buffers go back
     to the OS when freed instead of piling up in per-device-thread arenas
     (data-parallel peak memory 5-9% lower at the same speed, docs/performance.md);
-    a ``MALLOC_MMAP_THRESHOLD_`` you set yourself is left alone.
+    a ``MALLOC_MMAP_THRESHOLD_`` you set yourself is left alone.  And it gives each
+    op the host's cores divided by the devices sharing them (``cpu_threads_per_device``):
+    the devices already run their programs side by side, so an op split over every
+    core only adds hand-offs (keras-hub's Gemma on 2x4 over 2 cores: 15-25% shorter
+    steps and first epoch, docs/performance.md).  An intra-op thread count you set
+    yourself (``tf.config.threading``) is left alone.
 
     Args:
         n: number of logical CPU devices (>= 1).
@@ -136,6 +141,7 @@ def _configure_virtual_cpus(n: int) -> None:
         )
     if n > 1:  # several device threads share this host's malloc (see _malloc)
         _malloc.fix_mmap_threshold()
+    _split_cores(n)
     cpu = tf.config.list_physical_devices("CPU")[0]
     configured = tf.config.get_logical_device_configuration(cpu)
     if configured is None or len(configured) != n:
@@ -153,6 +159,36 @@ def _configure_virtual_cpus(n: int) -> None:
                     "device query (in Colab: Runtime > Restart, then run it in "
                     "the first cell)."
                 ) from err
+
+
+def _devices_on_host(n: int) -> int:
+    """``n`` devices of this process times the processes ``tfdist run`` started on this host."""
+    return n * max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+
+
+def cpu_threads_per_device(n: int) -> int:
+    """Intra-op threads for each of ``n`` CPU devices of this process: the cores this process
+    may run on, shared by every device on this host (``_devices_on_host``), at least one."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // _devices_on_host(n))
+
+
+def _split_cores(n: int) -> None:
+    """Each op of a CPU device gets its share of the cores, when several devices share them.
+
+    TF runs an op over its process-wide intra-op pool (as many threads as cores), and the
+    devices of a mesh run their programs at once, each op asking the whole pool: on 8
+    virtual CPUs over 2 cores that is 8 programs splitting every matmul and elementwise op
+    in two and waiting on each other's halves.  With the pool at cores / devices an op runs
+    on its device's share and the devices fill the cores (measured in docs/performance.md).
+    Set only before TF starts its runtime (after, TF keeps its pool) and only where no one
+    chose a count (``get_intra_op_parallelism_threads() == 0``, TF's "pick for me")."""
+    if _devices_on_host(n) == 1 or tf.config.threading.get_intra_op_parallelism_threads() != 0:
+        return  # one device on the host (TF's default is right), or a count someone chose
+    try:
+        tf.config.threading.set_intra_op_parallelism_threads(cpu_threads_per_device(n))
+    except RuntimeError:
+        pass  # the runtime is up (a repeated virtual_cpus call): its pool stays
 
 
 def detect_device_type() -> str:

@@ -156,8 +156,10 @@ def _split_stage(k: int):
     scalar).  A batch that does not split evenly (an epoch's last) is zero-padded up to a
     multiple of k here and cut back to its size when it is placed, replicated; the even
     batches pay nothing for that.  Flat, so the feed reads it without rebuilding a nest, and
-    the step loop converts one flag, not a size per leaf."""
+    the step loop converts one flag, not a size per leaf.  Plain Python over static shapes,
+    so tf.data need not run AutoGraph over it (0.4 s of every fit's first epoch)."""
 
+    @tf.autograph.experimental.do_not_convert
     def split(*element):
         out, sizes = [], []
         for leaf in tf.nest.flatten(element):
