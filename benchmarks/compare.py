@@ -208,11 +208,17 @@ def _fit(keras, model, w: dict, x, y, steps_per_execution: int = 1) -> dict:
     return clock.report(time.perf_counter(), running_mean=True)
 
 
-def _virtual_cpus(n: int = 8) -> None:
+def _virtual_cpus(n: int = 8, split_cores: bool = True) -> None:
+    """``n`` logical CPUs for a baseline without tfdist, each op on its device's share of the
+    cores as ``tfdist.virtual_cpus`` sets it (written out here, not imported): the TF
+    baselines on 8 devices then differ from tfdist by the library, not by a thread setting a
+    user of theirs can make too (its effect alone: docs/performance.md)."""
     import tensorflow as tf
 
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * n)
+    if n > 1 and split_cores:
+        tf.config.threading.set_intra_op_parallelism_threads(max(1, len(os.sched_getaffinity(0)) // n))
 
 
 def run_one_device(w, x, y):
@@ -424,7 +430,8 @@ def worker(program: str, workload: str) -> None:
     if program.startswith("jax"):
         os.environ.update(KERAS_BACKEND="jax", XLA_FLAGS="--xla_force_host_platform_device_count=8")
     elif not program.startswith("tfdist"):
-        _virtual_cpus(8)  # the baselines run without tfdist in the process
+        # the baselines run without tfdist in the process; one device keeps every core
+        _virtual_cpus(8, split_cores=not program.endswith("one_device"))
     w = WORKLOADS[workload]
     x, y = _data(w)
     try:
