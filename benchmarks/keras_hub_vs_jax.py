@@ -9,9 +9,13 @@ with the same ``LayoutMap``. Both run keras-hub's backbone (4 layers, hidden
 ``(batch, model)`` mesh of 8 virtual CPUs, trained with SGD on the same
 data from the same weights (drawn with numpy, so both backends start equal).
 
+A third program is the same model on one device, Keras' default on TF (no
+distribution, no tfdist): the compile-time reference of the speed issue (the
+first epoch on a mesh no slower than one device's).
+
 Each program runs in its own fresh process (JAX with
-``XLA_FLAGS=--xla_force_host_platform_device_count=8``); a round runs both,
-the order flipping every round. A process reports its first epoch (tracing
+``XLA_FLAGS=--xla_force_host_platform_device_count=8``); a round runs all
+three, the order rotating every round. A process reports its first epoch (tracing
 and compiling included), its step time (median of ``--blocks`` fit calls of
 ``--steps`` steps each, after that epoch), its peak resident memory and its
 losses; the losses of the two backends must agree (float32, 1e-3).
@@ -41,12 +45,16 @@ def _backbone(hub, family: str):
     return hub.LlamaBackbone(num_query_heads=4, num_key_value_heads=4, **CONFIG)
 
 
-def worker(backend: str, family: str, steps: int, blocks: int) -> None:
-    os.environ["KERAS_BACKEND"] = backend
+PROGRAMS = {"jax": "Keras on JAX, 2x4", "tensorflow": "Keras on TF with tfdist, 2x4",
+            "one_device": "Keras on TF, one device (no tfdist)"}
+
+
+def worker(program: str, family: str, steps: int, blocks: int) -> None:
+    os.environ["KERAS_BACKEND"] = "jax" if program == "jax" else "tensorflow"
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
-    if backend == "jax":
+    if program == "jax":
         os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    else:
+    elif program == "tensorflow":
         import tfdist
 
         tfdist.virtual_cpus(8)
@@ -56,13 +64,14 @@ def worker(backend: str, family: str, steps: int, blocks: int) -> None:
     import keras_hub.models as hub
     import numpy as np
 
-    if backend == "tensorflow":
+    if program == "tensorflow":
         import tfdist.keras  # noqa: F401  (keras.distribution on TensorFlow)
     backbone_cls = hub.GemmaBackbone if family == "gemma" else hub.LlamaBackbone
     lm_cls = hub.GemmaCausalLM if family == "gemma" else hub.LlamaCausalLM
-    mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"], devices=keras.distribution.list_devices())
-    keras.distribution.set_distribution(keras.distribution.ModelParallel(
-        layout_map=backbone_cls.get_layout_map(mesh), batch_dim_name="batch"))
+    if program != "one_device":
+        mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"], devices=keras.distribution.list_devices())
+        keras.distribution.set_distribution(keras.distribution.ModelParallel(
+            layout_map=backbone_cls.get_layout_map(mesh), batch_dim_name="batch"))
     lm = lm_cls(backbone=_backbone(hub, family), preprocessor=None)
     rng = np.random.default_rng(0)  # the same starting weights on both backends
     lm.set_weights([(rng.standard_normal(w.shape) * 0.02).astype(w.dtype) if w.ndim > 1 else w
@@ -85,17 +94,17 @@ def worker(backend: str, family: str, steps: int, blocks: int) -> None:
         times.append(seconds / steps * 1e3)
         losses.append(loss)
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print("RESULT " + json.dumps(dict(backend=backend, first_epoch_s=first_s, step_ms=statistics.median(times),
+    print("RESULT " + json.dumps(dict(backend=program, first_epoch_s=first_s, step_ms=statistics.median(times),
                                       step_ms_blocks=times, peak_rss_mb=peak_mb, losses=losses)), flush=True)
 
 
-def _run(backend: str, family: str, steps: int, blocks: int) -> dict:
+def _run(program: str, family: str, steps: int, blocks: int) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("KERAS_BACKEND", "XLA_FLAGS")}
-    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", backend, family, str(steps),
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", program, family, str(steps),
                            str(blocks)], capture_output=True, text=True, env=env, timeout=3600)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
     if done.returncode or not lines:
-        raise RuntimeError(f"{backend} worker failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+        raise RuntimeError(f"{program} worker failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
     return json.loads(lines[-1][len("RESULT "):])
 
 
@@ -114,27 +123,34 @@ def main() -> None:
     sys.path.insert(0, HERE)
     from _common import write_results
 
-    runs: dict[str, list[dict]] = {"jax": [], "tensorflow": []}
+    runs: dict[str, list[dict]] = {program: [] for program in PROGRAMS}
     for r in range(args.rounds):
-        order = ["jax", "tensorflow"] if r % 2 == 0 else ["tensorflow", "jax"]
-        for backend in order:
-            runs[backend].append(_run(backend, args.family, args.steps, args.blocks))
-            print(f"round {r} {backend}: {runs[backend][-1]['step_ms']:.0f} ms/step, "
-                  f"first epoch {runs[backend][-1]['first_epoch_s']:.1f} s", flush=True)
-        a, b = runs["jax"][-1]["losses"], runs["tensorflow"][-1]["losses"]
-        if max(abs(p - q) for p, q in zip(a, b)) > 1e-3 * max(1.0, abs(a[0])):
-            raise SystemExit(f"round {r}: the backends' losses differ: jax {a} tensorflow {b}")
+        order = list(PROGRAMS)[r % 3:] + list(PROGRAMS)[:r % 3]
+        for program in order:
+            runs[program].append(_run(program, args.family, args.steps, args.blocks))
+            print(f"round {r} {program}: {runs[program][-1]['step_ms']:.0f} ms/step, "
+                  f"first epoch {runs[program][-1]['first_epoch_s']:.1f} s", flush=True)
+        a = runs["jax"][-1]["losses"]
+        for program in ("tensorflow", "one_device"):
+            b = runs[program][-1]["losses"]
+            if max(abs(p - q) for p, q in zip(a, b)) > 1e-3 * max(1.0, abs(a[0])):
+                raise SystemExit(f"round {r}: the losses differ: jax {a} {program} {b}")
     rows = []
-    for backend, label in (("jax", "Keras on JAX, 2x4"), ("tensorflow", "Keras on TF with tfdist, 2x4")):
-        rs = runs[backend]
+    for program, label in PROGRAMS.items():
+        rs = runs[program]
         rows.append({"run": label, "step ms (median of rounds)": round(statistics.median(r["step_ms"] for r in rs), 1),
                      "step ms range": [round(min(r["step_ms"] for r in rs), 1), round(max(r["step_ms"] for r in rs), 1)],
                      "first epoch s": round(statistics.median(r["first_epoch_s"] for r in rs), 1),
                      "peak RSS MB": round(statistics.median(r["peak_rss_mb"] for r in rs)),
                      "losses": rs[0]["losses"]})
-    ratios = [t["step_ms"] / j["step_ms"] for t, j in zip(runs["tensorflow"], runs["jax"])]
+    def per_round(key: str, other: str) -> list[float]:
+        return [t[key] / o[key] for t, o in zip(runs["tensorflow"], runs[other])]
+
+    ratios = per_round("step_ms", "jax")
     meta = {"family": args.family, "config": {**CONFIG, "batch": BATCH, "seq": SEQ}, "rounds": args.rounds,
             "steps": args.steps, "blocks": args.blocks, "step ratio tfdist/jax per round": ratios,
+            "first epoch ratio tfdist/jax per round": per_round("first_epoch_s", "jax"),
+            "first epoch ratio tfdist/one device per round": per_round("first_epoch_s", "one_device"),
             "runs": runs}
     path = write_results(f"keras_hub_{args.family}", rows, meta)
     print("| run | step ms (median, range) | first epoch s | peak RSS MB |")
@@ -143,7 +159,11 @@ def main() -> None:
         lo, hi = row["step ms range"]
         print(f"| {row['run']} | {row['step ms (median of rounds)']} ({lo}-{hi}) | {row['first epoch s']} | "
               f"{row['peak RSS MB']} |")
-    print(f"tfdist / JAX step time, per round: {', '.join(f'{x:.2f}' for x in ratios)} -> {path}")
+    for what, key in (("step time", "step ratio tfdist/jax per round"),
+                      ("first epoch", "first epoch ratio tfdist/jax per round")):
+        print(f"tfdist / JAX {what}, per round: {', '.join(f'{x:.2f}' for x in meta[key])}")
+    print(f"tfdist / one device first epoch, per round: "
+          f"{', '.join(f'{x:.2f}' for x in meta['first epoch ratio tfdist/one device per round'])} -> {path}")
 
 
 if __name__ == "__main__":

@@ -312,6 +312,21 @@ def test_tf_xla_autoclustering_still_fails_on_dtensor_relayouts():
     assert "training step: Multiple CPU devices" in out.stdout
 
 
+@pytest.mark.slow
+def test_tf_dtensor_still_refuses_a_callee_kept_out_of_inlining():
+    """Why XLA cannot get a callee of a step on a CPU/GPU mesh after DTensor's expansion
+    (docs/design.md): a call kept with ``_noinline`` fails mesh clustering, with or without
+    ``_mesh`` and ``_XlaMustCompile`` on the call. When TF changes that, this fails."""
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).parents[2] / "docs" / "tf_dtensor_repros" / "noinline_callee_on_a_mesh.py"
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1, out.stdout + out.stderr[-2000:]
+    assert out.stdout.count("cluster does not have mesh attribute") == 3, out.stdout
+
+
 def test_jit_compile_true_on_a_cpu_mesh_is_said_and_trains_like_one_device():
     """Keras' jit_compile=True cannot compile a DTensor step on CPU/GPU (TF inlines it away):
     a warning says so, as Keras does for a model that does not support XLA; the values are one
