@@ -100,8 +100,8 @@ def virtual_cpus(n: int = 8) -> list[str]:
     a ``MALLOC_MMAP_THRESHOLD_`` you set yourself is left alone.  And it gives each
     op the host's cores divided by the devices sharing them (``cpu_threads_per_device``):
     the devices already run their programs side by side, so an op split over every
-    core only adds hand-offs (keras-hub's Gemma on 2x4 over 2 cores: 15-25% shorter
-    steps and first epoch, docs/performance.md).  An intra-op thread count you set
+    core only adds hand-offs (keras-hub's Gemma on 2x4 over 2 cores: steps 20-35% and
+    the first epoch 15-30% shorter, docs/performance.md).  An intra-op thread count you set
     yourself (``tf.config.threading``) is left alone.
 
     Args:
