@@ -449,11 +449,14 @@ def test_stage_meshes_spanning_clients_clash_unless_every_client_issues_every_st
     diverge = launch(*args, "--master-port", str(free_base_port(4)), repro)
     assert diverge.returncode != 0
     said = diverge.stdout + diverge.stderr
-    # the clash shows one of two ways, by timing: TF's group leader refuses the second half, or the
-    # halves' all-reduces meet in one group and some clients get wrong values
+    # the clash shows in several ways, by timing: TF's group leader refuses the second half, the halves'
+    # all-reduces meet in one group and some clients get wrong values, or a client's collective is
+    # cancelled. Whichever: not every client computes its stage's right value.
+    right = [f"rank {r} (diverge): stage {r // 2}'s all-reduce correct: True" in said for r in range(4)]
+    assert not all(right), said[-3000:]
     assert ("is joining a group that is already full (group_key=0)" in said
-            or "(diverge): stage 0's all-reduce correct: False" in said
-            or "(diverge): stage 1's all-reduce correct: False" in said), said[-3000:]
+            or "all-reduce correct: False" in said
+            or "was cancelled before it was started" in said), said[-3000:]
     old_mode = ENV.get("MODE")
     ENV["MODE"] = "lockstep"
     try:

@@ -19,7 +19,9 @@ the stated assumption that "different hosts go through exactly the same MLIR
 logic".  Clients that lower different programs therefore give different groups
 the same key.  Depending on timing the clash may instead let the two halves'
 all-reduces meet in one group: no error, and some clients print a wrong value
-("correct: False") -- seen in a CI run on a 2-core machine.
+("correct: False") -- seen in a CI run on a 2-core machine -- or cancel one
+client pair's collective ("Function was cancelled before it was started"),
+also seen in CI.
 
 MODE=lockstep: every client builds both meshes (the other half's as a remote
 mesh: no local devices) and issues the same ops in the same order; DTensor
