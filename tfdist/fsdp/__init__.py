@@ -11,6 +11,7 @@ from tfdist.fsdp._optim_state import OptimStateKeyType
 from tfdist.fsdp._fully_shard import (
     FSDPModule, FSDPStyle, UnshardHandle, fully_shard, register_fsdp_forward_method,
 )
+from tfdist.fsdp._mesh_dims import DataParallelMeshDims, FSDPMeshInfo, ShardPlacementResult
 from tfdist.fsdp._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from tfdist.fsdp.api import (  # FSDP1's configuration types, at torch's tfdist.fsdp.api path too
     BackwardPrefetch,
@@ -38,6 +39,9 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "CPUOffloadPolicy",
+    "DataParallelMeshDims",
+    "FSDPMeshInfo",
+    "ShardPlacementResult",
     "FullyShardedDataParallel",
     "ShardingStrategy",
     "BackwardPrefetch",

@@ -32,6 +32,7 @@ from tfdist.fsdp._collectives import (
 )
 from tfdist.fsdp._gather_order import GatherOrder
 from tfdist.fsdp._grad_sync import GradientSync
+from tfdist.fsdp._mesh_dims import DataParallelMeshDims, ShardPlacementResult, fsdp_mesh, placement_on
 from tfdist.fsdp._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from tfdist.tensor._modules import ModuleBackend, module_backend, replicate_unplaced
 from tfdist.tensor.parallel.style import as_tf, batch_replicated, on_mesh
@@ -142,16 +143,58 @@ class FSDPModule:
         """
         self._fsdp_state.order.backward_targets = _orders_of(modules, "set_modules_to_backward_prefetch")
 
-    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
-        """Gradients are summed over the batch shards (Keras losses already average over the
-        global batch); the reduce-scattered gradient is divided by ``factor``."""
-        if not factor or factor <= 0:
-            raise ValueError(f"set_reduce_scatter_divide_factor(factor) must be > 0. Received: factor={factor!r}")
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """The reduced gradient is the sum of the devices' gradients divided by ``factor``
+        (torch's default divides by the data-parallel size ``N``, a mean).
+
+        Keras losses already average over the global batch, so tfdist's gradient is torch's
+        default; a factor ``f`` multiplies it by ``N / f`` (``f = 1``: the sum over devices).
+        Applied to every parameter of the group, whatever its layer, where the reduced
+        gradient shard meets the stored shard (before ``set_all_reduce_hook``'s hook, as torch).
+
+        Example::
+
+            model.set_gradient_divide_factor(1.0)  # sum the devices' gradients, do not average
+        """
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+            raise ValueError(f"set_gradient_divide_factor(factor) must be a number > 0. Received: factor={factor!r}")
         self._fsdp_state.divide_factor = float(factor)
-        warnings.warn(
-            "set_reduce_scatter_divide_factor: tfdist applies the factor to the gradients of "
-            "Dense/EinsumDense layers of this group only.", UserWarning, stacklevel=2,
-        )
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated in torch 2.13 for ``set_gradient_divide_factor``, which it calls."""
+        warnings.warn("set_reduce_scatter_divide_factor is deprecated: use set_gradient_divide_factor instead",
+                      FutureWarning, stacklevel=2)
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """torch: reduce with sums only, scaling in separate ops.  tfdist's reductions are sums
+        already (the reduce-scatter is an all-to-all plus a local sum, the all-reduce TF's ``Add``)
+        and a divide factor is a separate multiply, so both values run the same ops."""
+        _check_bool("set_force_sum_reduction_for_comms", "enable", enable)
+        self._fsdp_state.force_sum_reduction = enable
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """torch 2.13: how many reduce-scatter input buffers may be in flight (a memory/overlap
+        dial of its single copy-in buffer).  TF has no such buffer: each reduce-scatter's input
+        is its own op output, allocated when computed and freed after the collective, and the
+        executor overlaps collectives with compute as their inputs are ready; the value is
+        checked and kept (``reduce_scatter_max_input_buffers``) but changes nothing."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
+        for state in _group_states(self, recurse):
+            state.reduce_scatter_max_input_buffers = max_input_buffers
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        """torch 2.13: the reduce-scatter on its own process group (NCCL communicator), so it can
+        overlap the backward's all-gathers.  On TF DTensor a collective's group is derived from
+        the mesh and its reduced dims (one group key per device group, docs/design.md) and each
+        collective op runs when its inputs are ready; a program has no communicator to choose.
+        The setting is checked and kept (``separate_reduce_scatter_group``), with no effect."""
+        _check_bool("set_separate_reduce_scatter_group", "enable", enable)
+        for state in _group_states(self, recurse):
+            state.separate_reduce_scatter_group = enable
 
     def set_all_reduce_hook(self, hook: Callable[[tf.Tensor], tf.Tensor | None], *, stream: Any = None) -> None:
         """Runs ``hook`` on each reduce-scattered gradient shard of this module's group, inside the
@@ -194,6 +237,9 @@ class _FSDPState:
         self.offload = offload
         self.params: list[tuple[Any, ShardedParam]] = []
         self.divide_factor: float | None = None
+        self.force_sum_reduction = False
+        self.reduce_scatter_max_input_buffers = 1
+        self.separate_reduce_scatter_group = False
         self.all_reduce_hook: Callable[[tf.Tensor], tf.Tensor | None] | None = None
         self.grad_sync = GradientSync()
         self.order = GatherOrder()
@@ -214,6 +260,11 @@ def _retrace_keras_steps(module: Any) -> None:
             setattr(module, name, None)
 
 
+def _check_bool(method: str, name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{method}({name}) must be a bool. Received: {name}={value!r}")
+
+
 def _group_states(module: Any, recurse: bool) -> list[_FSDPState]:
     """The FSDP state of ``module`` and, with ``recurse``, of every FSDP module inside it."""
     if not recurse:
@@ -229,8 +280,11 @@ def _shard(modules: ModuleBackend, variable: Any, param: ShardedParam, state: _F
     custom gradient returns it for this value), so the group's all-reduce hook goes here, once
     for every kind of layer."""
     value = modules.stored_value(variable)
-    hook = state.all_reduce_hook
-    return value if hook is None else _hooked(value, hook, param.shard_layout)
+    if state.all_reduce_hook is not None:
+        value = _hooked(value, state.all_reduce_hook, param.shard_layout)
+    if state.divide_factor is not None:  # outside the hook: the backward scales first, as torch
+        value = _scale_grad(value, state.mesh.size() / state.divide_factor)
+    return value
 
 
 def _hooked(value: tf.Tensor, hook: Callable, layout: dtensor.Layout) -> tf.Tensor:
@@ -327,14 +381,14 @@ def _group_variables(modules: ModuleBackend, module: Any, ignored: set[int]) -> 
 _REPLICATE = object()  # shard_placement_fn that keeps every variable whole (FSDP1's NO_SHARD)
 
 
-def _shard_dim(variable: Any, specs: list[str], size: int, fn: Callable | None, path: str) -> int | None:
+def _shard_dim(variable: Any, specs: list[str], mesh: DeviceMesh, fn: Callable | None, path: str) -> int | None:
     """The dim a variable is sharded on: ``shard_placement_fn``'s, else the first free dim that
     divides evenly (torch: dim 0); None leaves it replicated on dp."""
-    shape = tuple(variable.shape)
+    shape, size = tuple(variable.shape), mesh.size()
     if fn is _REPLICATE:
         return None
     if fn is not None:
-        placement = fn(variable)
+        placement = placement_on(fn(variable), mesh, f"{path}/{variable.name}")
         if placement is not None:
             if not isinstance(placement, Shard) or not -len(shape) <= placement.dim < len(shape):
                 raise ValueError(
@@ -364,10 +418,11 @@ def fully_shard(
     *,
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | int = True,
-    shard_placement_fn: Callable[[Any], Shard | None] | None = None,
+    shard_placement_fn: Callable[[Any], Shard | ShardPlacementResult | None] | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: Iterable[Any] | None = None,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
 ) -> Any:
     """Shards a Keras layer's or model's parameters over the data-parallel devices (FSDP2).
 
@@ -382,12 +437,17 @@ def fully_shard(
         reshard_after_forward: True frees full parameters after use and
             gathers again in the backward; False keeps the forward's copy
             for the backward.  An int is treated as True.
-        shard_placement_fn: ``variable -> Shard(d) | None``; default: the
-            first dim that divides evenly by the mesh size (dim 0 for most
-            weights); a variable with none stays replicated.
+        shard_placement_fn: ``variable -> Shard(d) | ShardPlacementResult |
+            None``; default: the first dim that divides evenly by the mesh
+            size (dim 0 for most weights); a variable with none stays
+            replicated.  A ``ShardPlacementResult`` (torch 2.13's
+            per-parameter mesh) must name the group's own dp dim.
         mp_policy: parameter, reduction and output dtypes.
         offload_policy: ``OffloadPolicy()`` (CPU offload is not supported).
         ignored_params: variables to leave as they are.
+        dp_mesh_dims: with ``mesh`` the full SPMD mesh, the dim to shard
+            over (``DataParallelMeshDims(shard="dp")`` is ``mesh["dp"]``);
+            a ``replicate`` dim (HSDP) is refused.
 
     Example::
 
@@ -401,11 +461,12 @@ def fully_shard(
         for m in module:
             fully_shard(m, mesh=mesh, reshard_after_forward=reshard_after_forward,
                         shard_placement_fn=shard_placement_fn, mp_policy=mp_policy,
-                        offload_policy=offload_policy, ignored_params=ignored_params)
+                        offload_policy=offload_policy, ignored_params=ignored_params, dp_mesh_dims=dp_mesh_dims)
         return module
     modules = module_backend(module, "fully_shard")
     path = modules.layer_name(module)
     mesh = mesh if mesh is not None else default_data_parallel_mesh()
+    mesh = fsdp_mesh(mesh, dp_mesh_dims, path) if isinstance(mesh, DeviceMesh) else mesh
     _check_args(module, mesh, reshard_after_forward, mp_policy, offload_policy, path)
     if not modules.is_built(module):
         raise ValueError(
@@ -417,7 +478,7 @@ def fully_shard(
     state = _FSDPState(mesh, bool(reshard_after_forward), mp_policy, offload_policy)
     root = mesh.root_mesh
     dp_dim = mesh.root_dims[0]
-    dp, size, tf_mesh = root.axis_names[dp_dim], root.shape[dp_dim], root.to_tf()
+    dp, tf_mesh = root.axis_names[dp_dim], root.to_tf()
     plans = []
     for layer_path, layer, name, variable in group:  # decide everything before changing anything
         layout = modules.variable_layout(variable)
@@ -429,7 +490,7 @@ def fully_shard(
         specs = list(layout.sharding_specs) if layout is not None else [dtensor.UNSHARDED] * len(variable.shape)
         if dp in specs:
             raise ValueError(f"fully_shard({path!r}): {layer_path}/{name} is already sharded on {dp!r}.")
-        d = _shard_dim(variable, specs, size, shard_placement_fn, layer_path)
+        d = _shard_dim(variable, specs, mesh, shard_placement_fn, layer_path)
         shard_specs = list(specs)
         if d is not None:
             shard_specs[d] = dp
@@ -592,8 +653,6 @@ def _sharded_product_call(
             bias=bias_arg,
         )
         y = tf.cast(y, kind.compute_dtype)  # the layer's output dtype, whatever param_dtype computed
-        if state.divide_factor:
-            y = _scale_grad(y, 1.0 / state.divide_factor)
         return kind.activation(y) if kind.activation is not None else y
 
     return call
