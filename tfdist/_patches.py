@@ -37,7 +37,8 @@ class Patch:
     """One changed attribute of a third-party module or class.
 
     ``params`` are the parameter names the original must have (``"absent"``:
-    the attribute must not exist before tfdist adds it).  ``scope`` is
+    the attribute must not exist before tfdist adds it).  An ``owner`` that is
+    a dict (a registry) has ``attribute`` as its key.  ``scope`` is
     ``"process"`` (installed at import) or ``"with"`` (inside a context
     manager only, per thread).
     """
@@ -166,6 +167,10 @@ PATCHES: tuple[Patch, ...] = (
           "loss_parallel: cross-entropy on class-sharded logits without a gather"),
     Patch("tensorflow.nn", None, "sparse_softmax_cross_entropy_with_logits", ("labels", "logits", "name"), "with",
           "loss_parallel: cross-entropy on class-sharded logits without a gather"),
+    Patch("tensorflow.python.ops.parallel_for.pfor", "_pfor_converter_registry", "Relayout", _ABSENT, "with",
+          "HSDP: TF's vectoriser has no converter for DTensor's Relayout; while a replica group's program is "
+          "vectorised, a stacked relayout keeps its leading axis on the replicate mesh dim "
+          "(tfdist/fsdp/_replica_groups.py)", "tensorflow 2.21"),
     Patch("keras.src.layers.attention.multi_head_attention", "MultiHeadAttention", "_compute_attention",
           ("self", "query", "key", "value", "attention_mask", "training", "return_attention_scores",
            "use_causal_mask"), "with", "context_parallel: queries sequence-sharded, keys/values gathered"),
@@ -212,9 +217,21 @@ def _params(value: Any) -> tuple[str, ...] | None:
 
 def _current(patch: Patch) -> Any:
     holder = _holder(patch)
+    if isinstance(holder, dict):
+        return holder.get(patch.attribute, _MISSING)
     if patch.owner:
         return inspect.getattr_static(holder, patch.attribute, _MISSING)
     return getattr(holder, patch.attribute, _MISSING)
+
+
+def _put(patch: Patch, value: Any) -> None:
+    holder = _holder(patch)
+    if not isinstance(holder, dict):
+        setattr(holder, patch.attribute, value)
+    elif value is _MISSING:
+        holder.pop(patch.attribute, None)
+    else:
+        holder[patch.attribute] = value
 
 
 def original(name: str) -> Any:
@@ -266,7 +283,7 @@ def install(name: str, replacement: Any) -> Any:
     with _lock:
         if name not in _ORIGINALS:
             _ORIGINALS[name] = _current(patch)
-        setattr(_holder(patch), patch.attribute, replacement)
+        _put(patch, replacement)
     value = _ORIGINALS[name]
     return None if value is _MISSING else value
 
@@ -284,6 +301,8 @@ class _Scoped:
         stack = getattr(self.local, "stack", None)
         if stack:
             return stack[-1](self.original, *args, **kwargs)
+        if self.original is _MISSING:  # added by tfdist, and this thread is outside the block
+            raise NotImplementedError(f"{self.patch.name} exists only inside tfdist's with-block")
         return self.original(*args, **kwargs)
 
 
@@ -311,7 +330,7 @@ def scoped(name: str, replacement: Callable[..., Any]) -> Iterator[None]:
             if patch.owner:  # a method: keep ``self`` by installing a plain function
                 def dispatch(*args, _state=state, **kwargs):
                     return _state.dispatch(*args, **kwargs)
-            setattr(_holder(patch), patch.attribute, dispatch)
+            _put(patch, dispatch)
         state.users += 1
     stack = getattr(state.local, "stack", None)
     if stack is None:
@@ -324,4 +343,4 @@ def scoped(name: str, replacement: Callable[..., Any]) -> Iterator[None]:
         with _lock:
             state.users -= 1
             if state.users == 0:
-                setattr(_holder(patch), patch.attribute, state.original)
+                _put(patch, state.original)

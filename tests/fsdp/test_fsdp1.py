@@ -158,8 +158,10 @@ def test_mixed_precision_keeps_master_weights():
 
 
 def test_bad_arguments():
-    with pytest.raises(ValueError, match="hybrid"):
+    with pytest.raises(ValueError, match=r"HYBRID_SHARD takes a 2-D \(replicate, shard\) device_mesh"):
         FSDP(make_gpt(), sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_mesh=mesh8())
+    with pytest.raises(ValueError, match="FULL_SHARD takes a 1-D device_mesh"):
+        FSDP(make_gpt(), device_mesh=tfdist.init_device_mesh("cpu", (2, 4), mesh_dim_names=("r", "s")))
     with pytest.raises(ValueError, match="process_group"):
         FSDP(make_gpt(), process_group=object())
     with pytest.raises(NotImplementedError, match="CPUOffload"):

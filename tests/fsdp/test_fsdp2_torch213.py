@@ -101,7 +101,7 @@ def test_dp_mesh_dims_shard_names_the_dim_of_the_full_mesh():
     assert local_shape(model.blocks[0].mlp.down.kernel) == (16, 8)  # [64, 16]: tp on 0, dp on 1
 
 
-def test_dp_mesh_dims_fit_equals_one_device_and_hsdp_dims_are_refused(float64):
+def test_dp_mesh_dims_fit_equals_one_device_and_bad_dims_are_refused(float64):
     ref = make_mlp()
     ref_loss = fit(ref, X[:32], Y[:32], "mse", epochs=1)
     mesh = tfdist.init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "other"))
@@ -110,7 +110,6 @@ def test_dp_mesh_dims_fit_equals_one_device_and_hsdp_dims_are_refused(float64):
     np.testing.assert_allclose(fit(model, X[:32], Y[:32], "mse", epochs=1), ref_loss, rtol=1e-6)
     assert max_weight_diff(ref, model) < 1e-11
     refused = {
-        DataParallelMeshDims(shard="dp", replicate="other"): "HSDP",
         DataParallelMeshDims(replicate="dp"): "DistributedDataParallel",
         DataParallelMeshDims(shard=("dp", "other")): "flattens 2 mesh dims",
         DataParallelMeshDims(shard="tp"): "not a dim of the mesh",
@@ -140,8 +139,8 @@ def test_shard_placement_result_on_the_groups_own_dim_and_other_meshes_refused(f
                                fit(ref, X[:32], Y[:32], "mse", epochs=1), rtol=1e-6)
     assert max_weight_diff(ref, model) < 1e-11
     two = tfdist.init_device_mesh("cpu", (2, 4), mesh_dim_names=("a", "b"))
-    for info, said in ((FSDPMeshInfo(two, shard_mesh_dim=1), "its own mesh dim 'b'"),
-                       (FSDPMeshInfo(mesh, shard_mesh_dim=0, replicate_mesh_dim=0), "HSDP")):
+    for info, said in ((FSDPMeshInfo(two, shard_mesh_dim=1), r"own mesh dims \(shard 'b' of"),
+                       (FSDPMeshInfo(two, shard_mesh_dim=1, replicate_mesh_dim=0), "replicate 'a'")):
         with pytest.raises(ValueError, match=said):
             fully_shard(make_mlp(), mesh=mesh, shard_placement_fn=lambda v, info=info: ShardPlacementResult(None, info))
     with pytest.raises(ValueError, match="shard_mesh_dim=5"):

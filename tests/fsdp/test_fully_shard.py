@@ -257,8 +257,8 @@ def test_ignored_params_and_shard_placement_fn():
 
 def test_bad_input_is_refused_before_anything_changes():
     model = dense_stack(depth=1)
-    with pytest.raises(ValueError, match="1-D"):
-        fully_shard(model, mesh=tfdist.init_device_mesh("cpu", (2, 4), mesh_dim_names=("r", "s")))
+    with pytest.raises(ValueError, match="1-D .FSDP. or 2-D"):
+        fully_shard(model, mesh=tfdist.init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("r", "s", "tp")))
     with pytest.raises(ValueError, match="param_dtype"):
         MixedPrecisionPolicy(param_dtype="int32")
     with pytest.raises(ValueError, match="reshard_after_forward"):

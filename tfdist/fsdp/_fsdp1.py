@@ -203,12 +203,21 @@ class _FSDP1Methods:
             _retrace_keras_steps(self)
 
 
+_HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+
+
+def _check_hybrid_mesh(strategy: ShardingStrategy, device_mesh: DeviceMesh | None, name: str) -> None:
+    """The hybrid strategies take torch's 2-D (replicate, shard) mesh; the others a 1-D one."""
+    ndim = device_mesh.ndim if isinstance(device_mesh, DeviceMesh) else 1
+    if (strategy in _HYBRID) != (ndim == 2):
+        wanted = "a 2-D (replicate, shard) device_mesh" if strategy in _HYBRID else "a 1-D device_mesh"
+        raise ValueError(f"FullyShardedDataParallel({name!r}): sharding_strategy={strategy} takes {wanted}. "
+                         f"Received: device_mesh={device_mesh!r}")
+
+
 def _strategy_args(strategy: ShardingStrategy) -> dict:
-    if strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
-        raise ValueError(
-            f"sharding_strategy={strategy}: hybrid sharding needs the batch sharded over two mesh dims, "
-            "which a TF DTensor layout cannot express; use FULL_SHARD or SHARD_GRAD_OP on one mesh dim."
-        )
+    if strategy in _HYBRID:  # HSDP: the mesh's replicate dim is fully_shard's (a 2-D mesh)
+        return {"reshard_after_forward": strategy == ShardingStrategy.HYBRID_SHARD}
     if strategy == ShardingStrategy.NO_SHARD:  # DDP: every variable replicated, gradients all-reduced
         return {"reshard_after_forward": False, "shard_placement_fn": _REPLICATE}
     return {"reshard_after_forward": strategy == ShardingStrategy.FULL_SHARD}
@@ -271,10 +280,11 @@ class FullyShardedDataParallel(metaclass=_FSDP1Meta):
     Args follow torch.  ``sharding_strategy``: FULL_SHARD (default; full
     parameters freed after use and gathered again in the backward),
     SHARD_GRAD_OP (kept until the backward), NO_SHARD (replicated, gradients
-    all-reduced: DDP); the hybrid strategies raise.  ``auto_wrap_policy``
+    all-reduced: DDP); HYBRID_SHARD and _HYBRID_SHARD_ZERO2 take a 2-D
+    ``(replicate, shard)`` ``device_mesh`` (HSDP, as ``fully_shard``).  ``auto_wrap_policy``
     chooses sublayers that become their own unit (``ModuleWrapPolicy``,
     ``size_based_auto_wrap_policy``).  ``device_mesh`` is a 1-D mesh (all
-    devices when None).  ``process_group`` must be None.
+    devices when None), 2-D for the hybrid strategies.  ``process_group`` must be None.
     ``param_init_fn(layer)`` is called on every layer that owns weights
     before sharding; ``sync_module_states=True`` gives every client client
     0's weights first (multi-client).  ``forward_prefetch`` and
@@ -312,6 +322,7 @@ class FullyShardedDataParallel(metaclass=_FSDP1Meta):
                 f"Received: {sharding_strategy!r}"
             )
         args = _strategy_args(strategy)
+        _check_hybrid_mesh(strategy, device_mesh, name)
         if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
             raise ValueError(f"FullyShardedDataParallel({name!r}): backward_prefetch must be a BackwardPrefetch or "
                              f"None. Received: backward_prefetch={backward_prefetch!r}")
@@ -332,7 +343,9 @@ class FullyShardedDataParallel(metaclass=_FSDP1Meta):
         units = _units(modules, module, auto_wrap_policy)
         for unit, overrides in units:
             unit_mp = overrides.get("mixed_precision") or mp
-            unit_args = _strategy_args(overrides.get("sharding_strategy", strategy))
+            unit_strategy = overrides.get("sharding_strategy", strategy)
+            _check_hybrid_mesh(unit_strategy, device_mesh, name)
+            unit_args = _strategy_args(unit_strategy)
             fully_shard(unit, mesh=device_mesh, mp_policy=unit_mp.policy, ignored_params=ignored, **unit_args)
         fully_shard(module, mesh=device_mesh, mp_policy=mp.root_policy, ignored_params=ignored, **args)
         for layer in [unit for unit, _ in units] + [module]:

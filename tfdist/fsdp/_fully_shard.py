@@ -32,7 +32,8 @@ from tfdist.fsdp._collectives import (
 )
 from tfdist.fsdp._gather_order import GatherOrder
 from tfdist.fsdp._grad_sync import GradientSync
-from tfdist.fsdp._mesh_dims import DataParallelMeshDims, ShardPlacementResult, fsdp_mesh, placement_on
+from tfdist.fsdp._mesh_dims import DataParallelMeshDims, ShardPlacementResult, fsdp_meshes, placement_on
+from tfdist.fsdp._replica_groups import in_replica_group, replica_groups_call
 from tfdist.fsdp._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from tfdist.tensor._modules import ModuleBackend, module_backend, replicate_unplaced
 from tfdist.tensor.parallel.style import as_tf, batch_replicated, on_mesh
@@ -229,8 +230,10 @@ class FSDPModule:
 class _FSDPState:
     """One group: its variables, how each is sharded, the policies."""
 
-    def __init__(self, mesh: DeviceMesh, reshard: bool, mp: MixedPrecisionPolicy, offload: OffloadPolicy) -> None:
+    def __init__(self, mesh: DeviceMesh, reshard: bool, mp: MixedPrecisionPolicy, offload: OffloadPolicy,
+                 replicate: DeviceMesh | None = None) -> None:
         self.mesh = mesh
+        self.replicate = replicate  # HSDP's replicate dim (a 1-D slice), else None
         self.reshard = reshard
         self.regather_in_backward = reshard
         self.mp = mp
@@ -243,6 +246,11 @@ class _FSDPState:
         self.all_reduce_hook: Callable[[tf.Tensor], tf.Tensor | None] | None = None
         self.grad_sync = GradientSync()
         self.order = GatherOrder()
+
+    @property
+    def data_parallel_size(self) -> int:
+        """The devices a batch is split over (shard x replicate for HSDP): torch's default divisor."""
+        return self.mesh.size() * (self.replicate.size() if self.replicate is not None else 1)
 
 
 def _orders_of(modules: Any, method: str) -> list[GatherOrder]:
@@ -283,7 +291,7 @@ def _shard(modules: ModuleBackend, variable: Any, param: ShardedParam, state: _F
     if state.all_reduce_hook is not None:
         value = _hooked(value, state.all_reduce_hook, param.shard_layout)
     if state.divide_factor is not None:  # outside the hook: the backward scales first, as torch
-        value = _scale_grad(value, state.mesh.size() / state.divide_factor)
+        value = _scale_grad(value, state.data_parallel_size / state.divide_factor)
     return value
 
 
@@ -323,15 +331,6 @@ def _check_args(module: Any, mesh: DeviceMesh, reshard_after_forward: Any, mp_po
                 path: str) -> None:
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"fully_shard(mesh=...) must be a tfdist DeviceMesh. Received: {type(mesh).__name__}")
-    if mesh.ndim != 1:
-        raise ValueError(
-            f"fully_shard({path!r}): mesh must be 1-D (the data-parallel dim; a slice such as "
-            f"mesh['dp'] of a 2-D dp x tp mesh composes with tensor parallel). Received: a mesh with "
-            f"{mesh.ndim} dims {mesh.axis_names}. HSDP's 2-D (replicate, shard) mesh needs the batch "
-            "sharded over two mesh dims, which a TF DTensor layout cannot express (one mesh dim per "
-            "tensor dim: docs/tf_dtensor_repros/hsdp_batch_two_mesh_dims.py); use a 1-D mesh over all "
-            "data-parallel devices."
-        )
     if not isinstance(reshard_after_forward, (bool, int)):
         raise ValueError(
             f"fully_shard({path!r}): reshard_after_forward must be a bool or an int. "
@@ -381,14 +380,15 @@ def _group_variables(modules: ModuleBackend, module: Any, ignored: set[int]) -> 
 _REPLICATE = object()  # shard_placement_fn that keeps every variable whole (FSDP1's NO_SHARD)
 
 
-def _shard_dim(variable: Any, specs: list[str], mesh: DeviceMesh, fn: Callable | None, path: str) -> int | None:
+def _shard_dim(variable: Any, specs: list[str], mesh: DeviceMesh, replicate: DeviceMesh | None, fn: Callable | None,
+               path: str) -> int | None:
     """The dim a variable is sharded on: ``shard_placement_fn``'s, else the first free dim that
     divides evenly (torch: dim 0); None leaves it replicated on dp."""
     shape, size = tuple(variable.shape), mesh.size()
     if fn is _REPLICATE:
         return None
     if fn is not None:
-        placement = placement_on(fn(variable), mesh, f"{path}/{variable.name}")
+        placement = placement_on(fn(variable), mesh, replicate, f"{path}/{variable.name}")
         if placement is not None:
             if not isinstance(placement, Shard) or not -len(shape) <= placement.dim < len(shape):
                 raise ValueError(
@@ -466,7 +466,7 @@ def fully_shard(
     modules = module_backend(module, "fully_shard")
     path = modules.layer_name(module)
     mesh = mesh if mesh is not None else default_data_parallel_mesh()
-    mesh = fsdp_mesh(mesh, dp_mesh_dims, path) if isinstance(mesh, DeviceMesh) else mesh
+    mesh, replicate = fsdp_meshes(mesh, dp_mesh_dims, path) if isinstance(mesh, DeviceMesh) else (mesh, None)
     _check_args(module, mesh, reshard_after_forward, mp_policy, offload_policy, path)
     if not modules.is_built(module):
         raise ValueError(
@@ -475,7 +475,7 @@ def fully_shard(
         )
     ignored = {id(v) for v in (ignored_params or ())}
     group = _group_variables(modules, module, ignored)
-    state = _FSDPState(mesh, bool(reshard_after_forward), mp_policy, offload_policy)
+    state = _FSDPState(mesh, bool(reshard_after_forward), mp_policy, offload_policy, replicate)
     root = mesh.root_mesh
     dp_dim = mesh.root_dims[0]
     dp, tf_mesh = root.axis_names[dp_dim], root.to_tf()
@@ -490,19 +490,21 @@ def fully_shard(
         specs = list(layout.sharding_specs) if layout is not None else [dtensor.UNSHARDED] * len(variable.shape)
         if dp in specs:
             raise ValueError(f"fully_shard({path!r}): {layer_path}/{name} is already sharded on {dp!r}.")
-        d = _shard_dim(variable, specs, mesh, shard_placement_fn, layer_path)
+        d = _shard_dim(variable, specs, mesh, replicate, shard_placement_fn, layer_path)
         shard_specs = list(specs)
         if d is not None:
             shard_specs[d] = dp
         param = ShardedParam(dtensor.Layout(shard_specs, tf_mesh), dtensor.Layout(specs, tf_mesh), d, dp,
                              sync=state.grad_sync, order=state.order)
         plans.append((layer, name, variable, param))
-    modules.attach_mesh(module, mesh, dp_dim)
+    modules.attach_mesh(module, mesh, dp_dim if replicate is None else replicate.root_dims[0])
     for layer, name, variable, param in plans:
         modules.place_variable(variable, param.shard_layout)
         state.params.append((variable, param))
     replicate_unplaced(modules, module, mesh)
     _hook_layers(modules, plans, state)
+    if replicate is not None:
+        _hook_replica_groups(modules, module, mesh, replicate)
     _hook_module_dtypes(modules, module, mp_policy)
     _registry.module(module).fsdp = state
     module.__class__ = fsdp_class(type(module))
@@ -771,6 +773,28 @@ def _gathered_call(modules: ModuleBackend, params: dict, state: _FSDPState) -> C
             return original(*args, **kwargs)
 
     return call
+
+
+def _hook_replica_groups(modules: ModuleBackend, module: Any, shard: DeviceMesh, replicate: DeviceMesh) -> None:
+    """HSDP: the module's call runs once per replica group (``replica_groups_call``), unless a
+    replica group's program is being traced already (a nested HSDP module runs as plain FSDP over
+    ``shard`` inside its parent's group), the batch is replicated (a last partial batch), or its
+    rows do not split over the groups."""
+    tf_mesh = shard.root_mesh.to_tf()
+    r, s = replicate.axis_names[0], shard.axis_names[0]
+    groups = replicate.size()
+
+    def call(original, *args, **kwargs):
+        leaves = [as_tf(leaf) for leaf in tf.nest.flatten(args[0])] if args else []
+        if (not leaves or in_replica_group() or batch_replicated()
+                or not all(isinstance(t, tf.Tensor) and not modules.is_symbolic(t) for t in leaves)
+                or any(t.shape.rank in (None, 0) or t.shape[0] is None or t.shape[0] % groups for t in leaves)):
+            return original(*args, **kwargs)
+        x = tf.nest.pack_sequence_as(args[0], leaves)
+        return replica_groups_call(lambda rows: original(rows, *args[1:], **kwargs), x,
+                                   mesh=tf_mesh, replicate=r, shard=s)
+
+    modules.replace_call(module, call)
 
 
 def _hook_module_dtypes(modules: ModuleBackend, module: Any, mp: MixedPrecisionPolicy) -> None:

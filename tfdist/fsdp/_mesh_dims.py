@@ -1,13 +1,13 @@
-"""Which mesh dim FSDP shards over: torch 2.13's ``DataParallelMeshDims`` (``fully_shard``'s
-``dp_mesh_dims``) and per-parameter meshes (``shard_placement_fn`` returning a
-``ShardPlacementResult``).
+"""Which mesh dims FSDP uses: a 1-D mesh, HSDP's 2-D ``(replicate, shard)`` mesh, torch 2.13's
+``DataParallelMeshDims`` (``fully_shard``'s ``dp_mesh_dims``) and per-parameter meshes
+(``shard_placement_fn`` returning a ``ShardPlacementResult``).
 
-tfdist's FSDP shards over the one mesh dim that also shards the batch: a
-parameter's gradient is the sum over the batch rows, reduce-scattered over
-that dim.  So every name here resolves to one data-parallel mesh dim, or is
-refused with the reason: a second shard or replicate dim would need the batch
-sharded over two mesh dims, which a TF DTensor layout cannot express (the
-HSDP limit, docs/fsdp.md "Limits").
+FSDP shards over the mesh dim that shards the batch rows a group computes:
+a parameter's gradient is the sum over those rows, reduce-scattered over
+that dim.  HSDP adds one replicate dim (tfdist/fsdp/_replica_groups.py).
+Names that would shard a group's rows over two mesh dims (a flattened
+``shard`` tuple, a parameter's own mesh dim) are refused: a TF DTensor
+layout names one mesh dim per tensor dim.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from typing import Any
 from tfdist.device_mesh import DeviceMesh
 from tfdist.tensor.placement_types import Shard
 
-__all__ = ["DataParallelMeshDims", "FSDPMeshInfo", "ShardPlacementResult", "fsdp_mesh", "placement_on"]
+__all__ = ["DataParallelMeshDims", "FSDPMeshInfo", "ShardPlacementResult", "fsdp_meshes", "placement_on"]
 
-_TWO_DIMS = ("the batch would be sharded over two mesh dims, which a TF DTensor layout cannot express "
-             "(docs/fsdp.md, Limits: HSDP)")
+_TWO_DIMS = ("a group's batch rows would be sharded over two mesh dims, which a TF DTensor layout cannot "
+             "express (docs/fsdp.md, Limits)")
 
 
 def _names(value: Any, field: str) -> tuple[str, ...]:
@@ -96,42 +96,67 @@ class ShardPlacementResult:
     mesh_info: FSDPMeshInfo
 
 
-def fsdp_mesh(mesh: DeviceMesh, dp_mesh_dims: DataParallelMeshDims | None, path: str) -> DeviceMesh:
-    """The 1-D data-parallel mesh ``fully_shard`` works on: ``mesh`` itself, or its ``shard`` slice."""
+def fsdp_meshes(mesh: DeviceMesh, dp_mesh_dims: DataParallelMeshDims | None, path: str,
+                ) -> tuple[DeviceMesh, DeviceMesh | None]:
+    """(the 1-D mesh FSDP shards over, the 1-D replicate mesh of HSDP or None).
+
+    A 2-D mesh is torch's HSDP mesh, ``(replicate, shard)``; ``dp_mesh_dims`` names the dims of
+    a full mesh instead.  HSDP's mesh must have those two dims only (with tensor parallel, a
+    third, it is not built)."""
     if dp_mesh_dims is None:
-        return mesh
-    if not isinstance(dp_mesh_dims, DataParallelMeshDims):
-        raise TypeError(f"fully_shard({path!r}): dp_mesh_dims must be a DataParallelMeshDims or None. "
-                        f"Received: {dp_mesh_dims!r}")
-    if dp_mesh_dims.replicate_names:
-        what = "HSDP" if dp_mesh_dims.shard_names else "replicate-only data parallelism (use DistributedDataParallel)"
-        raise ValueError(f"fully_shard({path!r}): dp_mesh_dims={dp_mesh_dims!r} asks for {what} on the "
-                         f"replicate dim(s) {dp_mesh_dims.replicate_names}: {_TWO_DIMS}. Give shard= only.")
-    names = dp_mesh_dims.shard_names
-    if len(names) != 1:
-        raise ValueError(f"fully_shard({path!r}): dp_mesh_dims.shard={dp_mesh_dims.shard!r} flattens {len(names)} "
-                         f"mesh dims: {_TWO_DIMS}. Give one mesh dim name.")
-    if names[0] not in (mesh.mesh_dim_names or ()):
-        raise ValueError(f"fully_shard({path!r}): dp_mesh_dims.shard={names[0]!r} is not a dim of the mesh. "
-                         f"Expected one of {mesh.mesh_dim_names}.")
-    return mesh[names[0]]
+        if mesh.ndim == 1:
+            return mesh, None
+        if mesh.ndim != 2:
+            raise ValueError(f"fully_shard({path!r}): mesh must be 1-D (FSDP) or 2-D (replicate, shard: HSDP). "
+                             f"Received: a mesh with {mesh.ndim} dims {mesh.axis_names}.")
+        replicate, shard = mesh.axis_names
+    else:
+        if not isinstance(dp_mesh_dims, DataParallelMeshDims):
+            raise TypeError(f"fully_shard({path!r}): dp_mesh_dims must be a DataParallelMeshDims or None. "
+                            f"Received: {dp_mesh_dims!r}")
+        if not dp_mesh_dims.shard_names:
+            raise ValueError(f"fully_shard({path!r}): dp_mesh_dims={dp_mesh_dims!r} asks for replicate-only data "
+                             "parallelism; use DistributedDataParallel (or Keras' DataParallel).")
+        for field, names in (("shard", dp_mesh_dims.shard_names), ("replicate", dp_mesh_dims.replicate_names)):
+            if len(names) > 1:
+                raise ValueError(f"fully_shard({path!r}): dp_mesh_dims.{field}={names!r} flattens {len(names)} mesh "
+                                 f"dims: {_TWO_DIMS}. Give one mesh dim name.")
+            if names and names[0] not in (mesh.mesh_dim_names or ()):
+                raise ValueError(f"fully_shard({path!r}): dp_mesh_dims.{field}={names[0]!r} is not a dim of the mesh. "
+                                 f"Expected one of {mesh.mesh_dim_names}.")
+        shard = dp_mesh_dims.shard_names[0]
+        replicate = dp_mesh_dims.replicate_names[0] if dp_mesh_dims.replicate_names else None
+        if replicate is None:
+            return mesh[shard], None
+    if mesh.root_mesh.ndim != 2:
+        raise ValueError(f"fully_shard({path!r}): HSDP over ({replicate!r}, {shard!r}) of a mesh with dims "
+                         f"{mesh.root_mesh.axis_names}: HSDP with a third mesh dim (tensor parallel) is not built; "
+                         "give a 2-D (replicate, shard) mesh.")
+    return mesh[shard], mesh[replicate]
 
 
-def placement_on(result: Any, mesh: DeviceMesh, where: str) -> Any:
-    """``shard_placement_fn``'s result for a parameter of the group on ``mesh`` (1-D): a
-    ``ShardPlacementResult`` on that same mesh dim becomes its ``placement``; another mesh dim is
-    refused (the batch is sharded over ``mesh``'s dim only)."""
+def _root_dim(mesh: DeviceMesh | None, dim: int | None) -> tuple | None:
+    if mesh is None or dim is None:
+        return None
+    return mesh.root_mesh, mesh.root_dims[dim]
+
+
+def placement_on(result: Any, shard: DeviceMesh, replicate: DeviceMesh | None, where: str) -> Any:
+    """``shard_placement_fn``'s result for a parameter of the group that shards over ``shard`` (and
+    replicates over ``replicate``, HSDP): a ``ShardPlacementResult`` naming those same mesh dims
+    becomes its ``placement``; other dims are refused (the group's rows are sharded over
+    ``shard`` only)."""
     if not isinstance(result, ShardPlacementResult):
         return result
     info = result.mesh_info
-    if info.replicate_mesh_dim is not None:
-        raise ValueError(f"fully_shard: shard_placement_fn gave {where} a replicate mesh dim "
-                         f"({info!r}), i.e. HSDP: {_TWO_DIMS}.")
-    own = (info.mesh.root_mesh, info.mesh.root_dims[info.shard_mesh_dim])
-    if own != (mesh.root_mesh, mesh.root_dims[0]):
+    own = (_root_dim(info.mesh, info.shard_mesh_dim), _root_dim(info.mesh, info.replicate_mesh_dim))
+    group = (_root_dim(shard, 0), _root_dim(replicate, 0))
+    if own != group:
+        names = {"shard": info.shard_mesh_dim, "replicate": info.replicate_mesh_dim}
+        asked = ", ".join(f"{k} {info.mesh.axis_names[d]!r}" for k, d in names.items() if d is not None)
+        mine = f"shard {shard.axis_names[0]!r}" + (f", replicate {replicate.axis_names[0]!r}" if replicate else "")
         raise ValueError(
-            f"fully_shard: shard_placement_fn gave {where} its own mesh dim "
-            f"{info.mesh.axis_names[info.shard_mesh_dim]!r} of {info.mesh!r}; tfdist shards every parameter of "
-            f"a group over the dim that shards the batch ({mesh.axis_names[0]!r} of {mesh.root_mesh!r}); with "
-            f"another dim {_TWO_DIMS}.")
+            f"fully_shard: shard_placement_fn gave {where} its own mesh dims ({asked} of {info.mesh!r}); tfdist "
+            f"shards every parameter of a group over the dims that split the batch ({mine} of "
+            f"{shard.root_mesh!r}); with others {_TWO_DIMS}.")
     return result.placement
