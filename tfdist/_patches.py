@@ -171,6 +171,10 @@ PATCHES: tuple[Patch, ...] = (
           "HSDP: TF's vectoriser has no converter for DTensor's Relayout; while a replica group's program is "
           "vectorised, a stacked relayout keeps its leading axis on the replicate mesh dim "
           "(tfdist/fsdp/_replica_groups.py)", "tensorflow 2.21"),
+    *(Patch("tensorflow.python.ops.parallel_for.pfor", "_pfor_converter_registry", op, ("pfor_input",), "with",
+            "HSDP: a vectorised softmax of rank > 5 (an attention's scores with a group axis) is computed from "
+            "exp and sums: TF's oneDNN softmax kernel takes at most 5 dims (tfdist/fsdp/_replica_groups.py)",
+            "tensorflow 2.21") for op in ("Softmax", "LogSoftmax")),
     Patch("keras.src.layers.attention.multi_head_attention", "MultiHeadAttention", "_compute_attention",
           ("self", "query", "key", "value", "attention_mask", "training", "return_attention_scores",
            "use_causal_mask"), "with", "context_parallel: queries sequence-sharded, keys/values gathered"),

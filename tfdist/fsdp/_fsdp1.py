@@ -20,7 +20,7 @@ import tensorflow as tf
 from tfdist import _registry, _runtime
 from tfdist.device_mesh import DeviceMesh, default_data_parallel_mesh
 from tfdist.fsdp._fully_shard import (
-    _REPLICATE, FSDPModule, _group_states, _retrace_keras_steps, fsdp_class, fully_shard,
+    _REPLICATE, FSDPModule, _group_states, _retrace_keras_steps, fsdp_class, fully_shard, refuse_unsynced_hsdp,
 )
 from tfdist.fsdp._policies import MixedPrecisionPolicy
 from tfdist.fsdp import _optim_state, _state_dict
@@ -191,6 +191,7 @@ class _FSDP1Methods:
             grads = grads_fn_synced(x1, y1)   # the sum over both micro-batches
         """
         states = [s for unit in _fsdp1_units(self) for s in _group_states(unit, recurse=False)]
+        refuse_unsynced_hsdp(states, "no_sync()")
         before = [s.grad_sync.enabled for s in states]
         for s in states:
             s.grad_sync.enabled = False

@@ -111,7 +111,10 @@ class FSDPModule:
         if not isinstance(requires_gradient_sync, (bool, int)):
             raise ValueError("set_requires_gradient_sync(requires_gradient_sync) must be a bool. "
                              f"Received: {requires_gradient_sync!r}")
-        for state in _group_states(self, recurse):
+        states = _group_states(self, recurse)
+        if not requires_gradient_sync:
+            refuse_unsynced_hsdp(states, "set_requires_gradient_sync(False)")
+        for state in states:
             state.grad_sync.enabled = bool(requires_gradient_sync)
         _retrace_keras_steps(self)
 
@@ -214,7 +217,11 @@ class FSDPModule:
         self._fsdp_state.all_reduce_hook = hook
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """Only meaningful for HSDP, which tfdist does not offer (see ``fully_shard``): a no-op."""
+        """HSDP's all-reduce over the replicate dim runs in every backward; ``False`` (keep each
+        replica group's gradient) is refused under HSDP, as gradient-sync off is, and is a no-op on
+        a 1-D mesh (nothing to all-reduce)."""
+        if not requires_all_reduce:
+            refuse_unsynced_hsdp(_group_states(self, recurse), "set_requires_all_reduce(False)")
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """With False, the backward reuses the forward's full parameters instead of gathering again
@@ -266,6 +273,14 @@ def _retrace_keras_steps(module: Any) -> None:
     for name in ("train_function", "test_function", "predict_function"):
         if getattr(module, name, None) is not None:
             setattr(module, name, None)
+
+
+def refuse_unsynced_hsdp(states: list[_FSDPState], what: str) -> None:
+    """Gradients held back per replica group are not built (``GradientSync`` says why)."""
+    if any(state.replicate is not None for state in states):
+        raise NotImplementedError(
+            f"{what} under HSDP (a 2-D replicate x shard mesh): holding each replica group's unreduced "
+            "gradients is not built. Use Keras' optimizer(gradient_accumulation_steps=k), or FSDP on a 1-D mesh.")
 
 
 def _check_bool(method: str, name: str, value: Any) -> None:

@@ -23,6 +23,8 @@ from typing import Any, Callable, Hashable
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from tfdist.fsdp._replica_groups import in_replica_group
+
 __all__ = ["GradientSync"]
 
 
@@ -48,6 +50,13 @@ class GradientSync:
         """Sync off: adds ``grad`` to ``key``'s held sum and returns None.  Sync on: ``grad`` plus
         the held sum (then cleared), or ``grad`` itself when nothing is held."""
         store = self._held.get(key)
+        if not self.enabled and in_replica_group():
+            # the held sum would be a variable written inside TF's vectoriser, which has no
+            # per-group form for it (measured: the sum came back wrong, with no error)
+            raise NotImplementedError(
+                "set_requires_gradient_sync(False) / no_sync() under HSDP (a 2-D replicate x shard mesh): "
+                "holding each replica group's unreduced gradients is not built. Use Keras' "
+                "optimizer(gradient_accumulation_steps=k), or FSDP on a 1-D mesh.")
         if self.enabled:
             if store is None:
                 return grad

@@ -75,12 +75,32 @@ def _stacked_relayout(stacked: tf.Tensor, target: dtensor.Layout, producer: Any,
     return dtensor.relayout(stacked, target)
 
 
+def _softmax_stacked(original: Any, pfor_input: Any) -> Any:
+    """A vectorised (log-)softmax over the last dim; above rank 5 from exp and sums, because TF's
+    oneDNN kernel refuses more dims ("Input dims must be <= 5", mkl_softmax_op.cc) and a group
+    axis on an attention's 5-D scores (grouped-query heads) makes 6."""
+    x = pfor_input.stacked_input(0)
+    if x.shape.rank is not None and x.shape.rank <= 5:
+        return original(pfor_input)
+    shifted = x - tf.stop_gradient(tf.reduce_max(x, axis=-1, keepdims=True))
+    total = tf.reduce_sum(tf.exp(shifted), axis=-1, keepdims=True)
+    out = shifted - tf.math.log(total) if pfor_input.op_type == "LogSoftmax" else tf.exp(shifted) / total
+    return pfor.wrap(out, True)
+
+
+_SOFTMAX = tuple(f"tensorflow.python.ops.parallel_for.pfor:_pfor_converter_registry.{op}"
+                 for op in ("Softmax", "LogSoftmax"))
+
+
 @contextlib.contextmanager
 def _vectorising(replicate: str) -> Iterator[None]:
     before = getattr(_GROUP, "dim", None)
     _GROUP.dim = replicate
     try:
-        with _patches.scoped(_CONVERTER, _relayout_stacked):
+        with contextlib.ExitStack() as scopes:
+            scopes.enter_context(_patches.scoped(_CONVERTER, _relayout_stacked))
+            for name in _SOFTMAX:
+                scopes.enter_context(_patches.scoped(name, _softmax_stacked))
             yield
     finally:
         _GROUP.dim = before
