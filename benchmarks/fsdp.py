@@ -6,6 +6,7 @@ batch, all computing the same first-step loss:
 
 * ``fsdp``: fully_shard on every layer and the model (reshard_after_forward=True);
 * ``fsdp-keep``: the same with reshard_after_forward=False;
+* ``hsdp 2x4`` / ``hsdp 4x2``: fully_shard on a 2-D (replicate, shard) mesh (HSDP);
 * ``tfdist-dp``: replicated weights, batch split (keras.distribution.DataParallel on tfdist);
 * ``tfdist-dp + ZeRO``: the same with ``tfdist.optim.ZeroRedundancyOptimizer`` (Adam state sharded);
 * ``mirrored``: Keras ``model.fit`` machinery under ``tf.distribute.MirroredStrategy``.
@@ -271,6 +272,10 @@ def main() -> None:
     mesh = tfdist.init_device_mesh("cpu", (8,), mesh_dim_names=("dp",))
     param_bytes = sum(int(np.prod(v.shape)) * 4 for v in make_model().trainable_variables)
     programs = {"fsdp": lambda: fsdp_model(mesh, True), "fsdp-keep": lambda: fsdp_model(mesh, False)}
+    hsdp = {f"hsdp {r}x{8 // r}": tfdist.init_device_mesh("cpu", (r, 8 // r), mesh_dim_names=("replicate", "shard"))
+            for r in (2, 4)}
+    for name, hsdp_mesh in hsdp.items():
+        programs[name] = lambda hsdp_mesh=hsdp_mesh: fsdp_model(hsdp_mesh, True)
 
     def data_parallel():
         distribution = keras.distribution.DataParallel(devices=[f"CPU:{i}" for i in range(8)])
@@ -325,7 +330,13 @@ def main() -> None:
         else:
             with scope.scope():
                 peaks[name] = peak_step_bytes(model)
-    sent = {name: sent_bytes(programs[name]()) for name in ("fsdp", "fsdp-keep")}
+    sent = {name: sent_bytes(programs[name]()) for name in ("fsdp", "fsdp-keep", *hsdp)}
+    # torch's plan per device: FSDP all-gathers P (S-1)/S in the forward and, with
+    # reshard_after_forward, again in the backward, and reduce-scatters the gradient; HSDP then
+    # all-reduces the 1/S shard over R replicas (ring: 2 (R-1)/R of it)
+    shape = {"fsdp": (1, 8), "fsdp-keep": (1, 8), **{name: tuple(m.shape) for name, m in hsdp.items()}}
+    torch_plan = {name: (2 if name == "fsdp-keep" else 3) * (s - 1) / s * param_bytes
+                  + 2 * (r - 1) / r * param_bytes / s for name, (r, s) in shape.items()}
     base = statistics.median(times["mirrored"])
     held = {name: sum(local_bytes(v) for v in m.trainable_variables + list(m.optimizer.variables))
             for name, m in models.items() if name != "mirrored"}
@@ -339,7 +350,7 @@ def main() -> None:
             "params+state MB / device": round(held.get(name, held_mirrored) / 1e6, 2),
             "peak MB / device": round(peaks[name] / 8 / 1e6, 2) if peaks[name] >= 0 else "no allocator stats",
             "MB sent / device": round(sent[name] / 1e6, 2) if name in sent else "",
-            "sent / torch 3(N-1)/N P": round(sent[name] / (3 * 7 / 8 * param_bytes), 3) if name in sent else "",
+            "sent / torch's plan": round(sent[name] / torch_plan[name], 3) if name in sent else "",
         })
     print()
     print_table(timing, list(timing[0]))

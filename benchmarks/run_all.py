@@ -87,8 +87,11 @@ def _pipeline(d: dict) -> Headline:
 
 
 def _fsdp(d: dict) -> Headline:
-    return [(f"FSDP over {r['N']}: memory held / (total / N)", r["held / (total/N)"], "")
+    held = [(f"FSDP over {r['N']}: memory held / (total / N)", r["held / (total/N)"], "")
             for r in d["rows"] if isinstance(r.get("N"), int) and r["N"] > 1 and "held / (total/N)" in r][:3]
+    hsdp = [r for r in d["rows"] if str(r.get("program", "")).startswith("hsdp")]
+    return held + [(f"HSDP {r['program'].split()[-1]}: bytes sent per step / torch's plan", r["sent / torch's plan"],
+                    "<= 1.0") for r in hsdp]
 
 
 def _fsdp_accumulation(d: dict) -> Headline:

@@ -143,10 +143,15 @@ def test_process_patches_are_installed_and_with_patches_are_not():
     import tfdist.keras  # noqa: F401
     from tfdist import _patches
 
+    missing = object()
     for row in _patches.PATCHES:
         holder = importlib.import_module(row.module)
         if row.owner:
             holder = getattr(holder, row.owner)
+        if isinstance(holder, dict):  # a registry: the row's attribute is its key
+            current = holder.get(row.attribute, missing)
+            current = _patches._MISSING if current is missing else current
+        elif row.owner:
             current = inspect.getattr_static(holder, row.attribute)
         else:
             current = getattr(holder, row.attribute)

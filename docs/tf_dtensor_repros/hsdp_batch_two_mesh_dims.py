@@ -9,17 +9,14 @@ spellings of "dim 0 over r and s" are rejected.  (tfdist's own DTensor
 encodes (Shard(0), Shard(0)) as an extra physical dim, which a Keras layer
 cannot take.)
 
-The route that carries per-device values elsewhere in tfdist (DDP's
-replicas, FSDP's per-shard layers: a program vectorised over a stacked
-leading axis sharded on a mesh dim, ``tfdist/tensor/_per_device.py``) does
-not reach HSDP either.  Run per replicate group -- ``tf.vectorized_map`` over
-``[R(r), B/R (s), ...]`` -- the group's FSDP-over-"s" layers relayout their
-per-group tensors (the batch rows onto "s", the output back), and TF's
-vectoriser has no converter for DTensor's ``Relayout`` op, so the program
-cannot be built (part 2 below).  Gathering every parameter before the
-vectorised program instead would move torch's bytes but hold every full
-parameter on every device at once: DDP's memory, not FSDP's.  So
-``fully_shard`` refuses a 2-D mesh.  Exit status 1 when both reproduce.
+Run per replicate group -- ``tf.vectorized_map`` over ``[R(r), B/R (s), ...]``,
+the route that carries per-device values elsewhere in tfdist
+(``tfdist/tensor/_per_device.py``) -- the group's FSDP-over-"s" layers relayout
+their per-group tensors, and TF's vectoriser has no converter for DTensor's
+``Relayout`` op (part 2 below).  That is TF's default, not a wall: tfdist's HSDP
+registers one while a group's program is vectorised
+(``tfdist/fsdp/_replica_groups.py``, docs/design.md "HSDP").  Exit status 1 when
+both refusals reproduce.
 """
 
 import os

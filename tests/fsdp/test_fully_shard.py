@@ -315,7 +315,8 @@ def test_cpu_offload_limitation_reproduces():
 
 
 def test_hsdp_limitation_reproduces():
-    """The reason a 2-D (replicate, shard) mesh is refused, run as a script."""
+    """The two TF refusals HSDP goes around (a batch over two mesh dims; no vectorised Relayout
+    in TF itself), run as a script."""
     import pathlib
     import subprocess
     import sys
