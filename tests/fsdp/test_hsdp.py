@@ -192,3 +192,30 @@ def test_held_gradients_are_refused_by_name_under_hsdp():
     with pytest.raises(NotImplementedError, match=r"no_sync\(\) under HSDP"):
         with fsdp1.no_sync():
             pass
+
+
+def test_dropout_draws_one_devices_masks_in_every_replica_group(float64):
+    """Each replica group draws the masks of its own rows (not group 0's), and the backward's second
+    trace of a group's program replays the forward's seeds: the forward output and a fit with
+    dropout equal one device's with the same draws (tfdist's mesh-invariant dropout)."""
+    from keras_helpers import on_one_device
+    from tfdist.keras._data import gather_to_numpy
+
+    def make():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu", name="up"),
+                                 keras.layers.Dropout(0.5), keras.layers.Dense(8, name="down")])
+
+    ref, model = on_one_device(make()), shard_mlp(make(), hsdp_mesh((2, 4)))
+    outputs = []
+    for m in (ref, model):
+        keras.utils.set_random_seed(1)
+        outputs.append(gather_to_numpy(m(X[:16], training=True)))
+    np.testing.assert_allclose(outputs[1], outputs[0], rtol=1e-12)
+    assert np.abs(outputs[0][:8] - outputs[0][8:]).max() > 0.1  # the groups' rows differ
+    losses = []
+    for m in (ref, model):
+        keras.utils.set_random_seed(2)
+        losses.append(fit(m, X[:48], np.random.default_rng(1).standard_normal((48, 8)), "mse"))
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-9)
+    assert max_weight_diff(ref, model) < 1e-10

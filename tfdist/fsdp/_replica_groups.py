@@ -38,6 +38,7 @@ from tensorflow.experimental import dtensor
 from tensorflow.python.ops.parallel_for import pfor
 
 from tfdist import _patches
+from tfdist.tensor import _random
 from tfdist.tensor._redistribute import relayout
 
 __all__ = ["replica_groups_call", "in_replica_group"]
@@ -161,17 +162,24 @@ def replica_groups_call(fn: Callable[[Any], Any], x: Any, *, mesh: dtensor.Mesh,
     leaves = _batch_leaves(x, "inputs")
     n_x = len(leaves)
     floating = [i for i, leaf in enumerate(leaves) if leaf.dtype.is_floating or leaf.dtype.is_complex]
-    structure: list = []
+    structure: list = []  # the outputs' nest, known once a group's program is traced
+    seeds: list = []  # Keras' seeds the forward drew, replayed by the backward's trace
+    # each group's index, row g on its group (a range pinned replicated first: DTensor cannot expand
+    # a sharded Range)
+    groups = dtensor.relayout(dtensor.relayout(tf.range(mesh.dim_size(replicate)), dtensor.Layout.replicated(mesh, 1)),
+                              dtensor.Layout([replicate], mesh))
 
-    def group(args):
-        out = fn(tf.nest.pack_sequence_as(x, list(args[:n_x])))
+    def group(args, replay=False):
+        """One group's program: ``args`` its rows, then its index (random draws start at its rows)."""
+        with _random.vectorised_group(args[n_x], seeds, replay):
+            out = fn(tf.nest.pack_sequence_as(x, list(args[:n_x])))
         structure[:] = [out]
         return tuple(_batch_leaves(out, "outputs"))
 
     @tf.custom_gradient
     def run(*leaves):
         xs = tuple(_split(leaf, mesh, replicate, shard) for leaf in leaves)
-        ys = _vectorised(group, xs, replicate)
+        ys = _vectorised(group, (*xs, groups), replicate)
         outputs = [_merge(y, mesh, replicate) for y in ys]
 
         def grad(*dys, variables=None):
@@ -179,15 +187,15 @@ def replica_groups_call(fn: Callable[[Any], Any], x: Any, *, mesh: dtensor.Mesh,
             dys = tuple(_split(tf.cast(dy, y.dtype), mesh, replicate, shard) for dy, y in zip(dys, outputs))
 
             def group_grads(args):
-                xs_g, dys_g = args[:n_x], args[n_x:]
+                xs_g, dys_g = args[:n_x + 1], args[n_x + 1:]
                 with tf.GradientTape() as tape:
                     tape.watch([xs_g[i] for i in floating])
-                    ys_g = group(xs_g)
+                    ys_g = group(xs_g, replay=True)
                 return tuple(tape.gradient(list(ys_g), [xs_g[i] for i in floating] + variables,
                                            output_gradients=list(dys_g),
                                            unconnected_gradients=tf.UnconnectedGradients.ZERO))
 
-            grads = list(_vectorised(group_grads, xs + dys, replicate)) if (floating or variables) else []
+            grads = list(_vectorised(group_grads, (*xs, groups, *dys), replicate)) if (floating or variables) else []
             dxs: list = [None] * n_x
             for i, g in zip(floating, grads):
                 dxs[i] = _merge(g, mesh, replicate)

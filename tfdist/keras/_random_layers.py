@@ -51,9 +51,10 @@ def _active_mesh():
 
 
 def _seed(seed):
+    """Keras' seed for one draw (recorded or replayed inside an HSDP replica group's program)."""
     from keras.src.backend.tensorflow import random as tf_random
 
-    return tf_random.draw_seed(seed)
+    return _random.group_seed(lambda: tf_random.draw_seed(seed))
 
 
 def _normal(original, shape, mean=0.0, stddev=1.0, dtype=None, seed=None):
@@ -86,7 +87,7 @@ def install() -> None:
     def dropout(inputs, rate, noise_shape=None, seed=None):
         if rate == 1.0 or rate == 0.0 or keras.distribution.distribution() is None:
             return original(inputs, rate, noise_shape, seed)  # a plain model: Keras' own stream
-        seed = tf_random.draw_seed(seed)
+        seed = _seed(seed)
         noise_shape = tf_random._get_concrete_noise_shape(inputs, noise_shape)
         return _random.dropout(inputs, rate, noise_shape, seed, mesh=_active_mesh())
 

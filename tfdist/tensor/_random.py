@@ -13,11 +13,20 @@ The hash is Wellons' "lowbias32" finaliser applied twice with the seed
 mixed in between (uint32 arithmetic, which TF runs on every device type).
 Indices are taken modulo 2**32, so tensors with more than 4e9 elements
 repeat their stream.
+
+Inside one group's program of a computation vectorised over groups of rows
+(HSDP's replica groups, ``vectorised_group``), a draw's indices start at the
+group's first row, and Keras' seeds are drawn by the first trace of the
+program and replayed by the second (the backward's), so each group and both
+traces draw what one device draws for those rows.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
+from typing import Callable, Iterator
 
 import tensorflow as tf
 from tensorflow.experimental import dtensor
@@ -26,7 +35,7 @@ from tfdist.tensor._layout import DTensorSpec, physical_layout
 from tfdist.tensor.placement_types import Replicate, Shard
 
 __all__ = ["uniform_bits", "uniform", "normal", "truncated_normal", "dropout", "draw_like", "next_seed",
-           "reset_seed_states", "traced_unit"]
+           "reset_seed_states", "traced_unit", "vectorised_group", "group_seed"]
 
 _U32 = tf.uint32
 
@@ -128,18 +137,76 @@ def _flat_index(shape: tf.Tensor, mesh: dtensor.Mesh | None) -> tf.Tensor:
     return tf.zeros([], _U32) if index is None else index
 
 
-def _seeded_bits(shape, seed: tf.Tensor, mesh: dtensor.Mesh | None) -> tf.Tensor:
-    """uint32 hash of (seed tensor, flat global index) for every element of ``shape``."""
+class _Group:
+    def __init__(self, index: tf.Tensor, seeds: list, replay: bool) -> None:
+        self.index, self.seeds, self.replay, self.drawn = index, seeds, replay, 0
+
+
+_GROUP = threading.local()  # .state: the _Group whose program this thread traces, or None
+
+
+@contextlib.contextmanager
+def vectorised_group(index: tf.Tensor, seeds: list, replay: bool) -> Iterator[None]:
+    """Draws traced inside are those of group ``index`` (its rows follow ``index`` groups of the
+    same size); ``seeds`` collects the seeds drawn (``replay=False``) or hands them out again in
+    order (``replay=True``: a second trace of the same program).
+
+    Example (the forward and the backward's trace of one group's program)::
+
+        seeds = []
+        with vectorised_group(g, seeds, replay=False):
+            y = model(rows, training=True)
+        with vectorised_group(g, seeds, replay=True):
+            y_again = model(rows, training=True)   # the same masks
+    """
+    before = getattr(_GROUP, "state", None)
+    if not replay:
+        seeds.clear()
+    _GROUP.state = _Group(index, seeds, replay)
+    try:
+        yield
+    finally:
+        _GROUP.state = before
+
+
+def group_seed(draw: Callable[[], tf.Tensor]) -> tf.Tensor:
+    """``draw()`` (a Keras seed), recorded or replayed inside a ``vectorised_group``."""
+    group = getattr(_GROUP, "state", None)
+    if group is None:
+        return draw()
+    if group.replay:
+        if group.drawn >= len(group.seeds):
+            raise RuntimeError("a replica group's backward drew more random seeds than its forward did")
+        group.drawn += 1
+        return group.seeds[group.drawn - 1]
+    seed = draw()
+    group.seeds.append(seed)
+    return seed
+
+
+def _group_offset(shape) -> tf.Tensor:
+    """The flat index of the group's first element in a draw of ``shape`` per group (0 outside)."""
+    group = getattr(_GROUP, "state", None)
+    if group is None:
+        return tf.zeros([], _U32)
+    size = math.prod(shape) if isinstance(shape, tuple) else tf.reduce_prod(shape)
+    return tf.cast(group.index, _U32) * tf.cast(size, _U32)
+
+
+def _seeded_bits(shape, seed: tf.Tensor, mesh: dtensor.Mesh | None, offset: tf.Tensor | None = None) -> tf.Tensor:
+    """uint32 hash of (seed tensor, flat global index) for every element of ``shape``; ``offset``
+    (uint32) is added to every index."""
     seed = tf.cast(seed, _U32)
     k0 = seed[0] * _c(0x9E3779B9) + _c(0x85EBCA6B)
     k1 = seed[1] * _c(0xC2B2AE35) + _c(0x27D4EB2F)
-    return _lowbias32(tf.bitwise.bitwise_xor(_lowbias32(_flat_index(shape, mesh) + k0), k1))
+    index = _flat_index(shape, mesh) if offset is None else _flat_index(shape, mesh) + offset
+    return _lowbias32(tf.bitwise.bitwise_xor(_lowbias32(index + k0), k1))
 
 
 def _dropout_fn(mesh: dtensor.Mesh | None):
     @tf.function(autograph=False)
-    def drop(x: tf.Tensor, rate: float, noise_shape: tf.Tensor, seed: tf.Tensor) -> tf.Tensor:
-        keep = _seeded_bits(noise_shape, seed, mesh) >= _c(min(int(rate * 2.0**32), 0xFFFFFFFF))
+    def drop(x: tf.Tensor, rate: float, noise_shape: tf.Tensor, seed: tf.Tensor, offset: tf.Tensor) -> tf.Tensor:
+        keep = _seeded_bits(noise_shape, seed, mesh, offset) >= _c(min(int(rate * 2.0**32), 0xFFFFFFFF))
         return tf.where(keep, x / tf.cast(1.0 - rate, x.dtype), tf.zeros_like(x))
 
     return drop
@@ -161,9 +228,10 @@ def draw_like(
     shape = static if static is not None else tf.cast(shape, tf.int32)
 
     def draw(seed):
+        offset = _group_offset(shape)  # the noise layers draw per row: their input's shape
         if kind == "uniform":
-            return _unit(_seeded_bits(shape, seed, mesh), dtype, open_low=False) * (b - a) + a
-        return _ndtri(_unit(_seeded_bits(shape, seed, mesh), tf.float64, open_low=True), dtype) * b + a
+            return _unit(_seeded_bits(shape, seed, mesh, offset), dtype, open_low=False) * (b - a) + a
+        return _ndtri(_unit(_seeded_bits(shape, seed, mesh, offset), tf.float64, open_low=True), dtype) * b + a
 
     if not tf.executing_eagerly():
         return draw(seed)
@@ -217,7 +285,10 @@ def dropout(
     fn = _DROPOUT_FNS.get(mesh)
     if fn is None:
         fn = _DROPOUT_FNS[mesh] = _dropout_fn(mesh)
-    return fn(x, float(rate), noise, seed)
+    # a mask per row (not broadcast over the batch) starts at the group's rows
+    per_row = x.shape.rank and (noise[0] if isinstance(noise, tuple) else None) == x.shape[0]
+    offset = _group_offset(noise) if per_row else tf.zeros([], _U32)
+    return fn(x, float(rate), noise, seed, offset)
 
 
 # -- seeds inside traced programs: one counter per mesh, as Keras' SeedGenerator keeps one ----------
