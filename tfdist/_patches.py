@@ -105,6 +105,9 @@ PATCHES: tuple[Patch, ...] = (
           "keras.ops.convert_to_numpy of a sharded DTensor (a model's eager output) gathers it to one array, "
           "as on JAX; TF refuses to copy a sharded DTensor to the host"),
     Patch(_CORE, "Variable", "__array__", ("self", "dtype"), "process", "gathers a sharded variable to one array"),
+    Patch("keras.src.saving.saving_lib", None, "_get_unique_name", ("name", "used_names"), "process",
+          "a module whose class tfdist swapped (FSDPDense, ...) is filed in a weights file under its own "
+          "class's name, so a model without tfdist loads the file"),
     Patch("keras.src.layers.layer", "Layer", "add_weight",
           ("self", "args", "shape", "initializer", "dtype", "trainable", "autocast", "regularizer",
            "constraint", "aggregation", "overwrite_with_gradient", "name"), "process",

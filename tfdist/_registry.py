@@ -132,3 +132,30 @@ def distribution_of(obj: Any) -> Any:
     """The distribution tfdist gave ``obj`` (None if it has none of its own)."""
     state = _MODULES.get(obj)
     return state.distribution if state is not None else None
+
+
+_SWAPPED: dict[str, str] = {}  # the name of a class tfdist made for a module -> the class it extends
+
+
+def swapped_class(name: str, bases: tuple[type, ...], original: type) -> type:
+    """A class ``name`` deriving ``bases`` that tfdist gives an object of class ``original``
+    (torch's names: ``FSDPDense``, ``DistributedDataParallelGPT``); recorded, so that a framework
+    that files objects by class name (Keras' weights files) can file it as ``original``.
+
+    Example::
+
+        cls = swapped_class(f"FSDP{type(layer).__name__}", (type(layer), FSDPModule), type(layer))
+    """
+    cls = type(name, bases, {"__module__": original.__module__})
+    _SWAPPED[cls.__name__] = original.__name__
+    return cls
+
+
+def original_class_name(name: str, spelling: Callable[[str], str] = str) -> str:
+    """``name`` if no swapped class is called that (as ``spelling`` writes class names), else the
+    name of the class tfdist's swapped class extends, in the same spelling."""
+    for new, original in _SWAPPED.items():
+        if spelling(new) == name:
+            return original_class_name(spelling(original), spelling)
+    return name
+

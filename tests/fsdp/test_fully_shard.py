@@ -230,19 +230,31 @@ def test_register_fsdp_forward_method(float64):
     np.testing.assert_allclose(gather_to_numpy(model.logits_of(x)), ref(x).numpy(), atol=1e-12)
 
 
-def test_save_weights_load_into_one_device_model(tmp_path, float64):
-    model = make_mlp()
-    fully_shard(model, mesh=dp_mesh())
+@pytest.mark.parametrize("wrap", ["root", "per-layer", "per-layer-hsdp"])
+def test_save_weights_load_into_one_device_model(tmp_path, float64, wrap):
+    """The file holds full values a plain model loads.  Keras files a Sequential's layers by class
+    name; tfdist's FSDPDense is filed as Dense, so torch-style per-layer wrapping (FSDP or HSDP)
+    saves the same file."""
+    mesh = tfdist.init_device_mesh("cpu", (2, 4), mesh_dim_names=("r", "s")) if wrap.endswith("hsdp") else dp_mesh()
+
+    def wrapped():
+        model = make_mlp()
+        for layer in model.layers if wrap != "root" else []:
+            fully_shard(layer, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+
+    model = wrapped()
     fit(model, X, Y, "mse", epochs=1)
     path = str(tmp_path / "fsdp.weights.h5")
     model.save_weights(path)
     plain = make_mlp()
     plain.load_weights(path)
     assert max_weight_diff(model, plain) == 0.0
-    again = make_mlp()
-    fully_shard(again, mesh=dp_mesh())
+    again = wrapped()
     again.load_weights(path)
     assert max_weight_diff(again, plain) == 0.0
+    if wrap != "root":
+        assert type(model.layers[0]).__name__ == "FSDPDense"  # torch's class names stay
 
 
 def test_ignored_params_and_shard_placement_fn():

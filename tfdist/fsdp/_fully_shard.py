@@ -338,7 +338,7 @@ def fsdp_class(cls: type, mixins: tuple[type, ...] = ()) -> type:
         cls = next(c for c in cls.__mro__[1:] if not issubclass(c, FSDPModule))
     key = (cls, mixins)
     if key not in _CLASSES:
-        _CLASSES[key] = type(f"FSDP{cls.__name__}", (cls, FSDPModule) + mixins, {"__module__": cls.__module__})
+        _CLASSES[key] = _registry.swapped_class(f"FSDP{cls.__name__}", (cls, FSDPModule) + mixins, cls)
     return _CLASSES[key]
 
 

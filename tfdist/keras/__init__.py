@@ -44,7 +44,7 @@ if keras.backend.backend() != "tensorflow":
 _patches.check_versions()
 
 from tfdist.keras import (  # noqa: E402
-    _backend, _callbacks, _expandable_ops, _host_tensors, _optimizer, _random_layers, _trainer, _variables,
+    _backend, _callbacks, _expandable_ops, _host_tensors, _optimizer, _random_layers, _saving, _trainer, _variables,
 )
 
 # Every change to Keras internals is a row of tfdist._patches.PATCHES.
@@ -56,6 +56,7 @@ _callbacks.install()
 _host_tensors.install()
 _random_layers.install()
 _expandable_ops.install()
+_saving.install()
 
 from tfdist.keras import _modules  # noqa: E402,F401  (registers the Keras ModuleBackend)
 from tfdist.keras._layout_map import LayoutMap  # noqa: E402

@@ -77,8 +77,7 @@ class PostLocalSGDOptimizer(metaclass=_Meta):
             raise ValueError("PostLocalSGDOptimizer: the optimizer is already wrapped.")
         base = type(optim)
         if base not in _CLASSES:
-            _CLASSES[base] = type(f"PostLocalSGD{base.__name__}", (_PostLocalSGDMethods, base),
-                                  {"__module__": base.__module__})
+            _CLASSES[base] = _registry.swapped_class(f"PostLocalSGD{base.__name__}", (_PostLocalSGDMethods, base), base)
         optim.__class__ = _CLASSES[base]
         _registry.optimizer(optim).averager = averager
         return optim

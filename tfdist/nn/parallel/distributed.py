@@ -99,8 +99,7 @@ class _DDPState:
 
 def _ddp_class(cls: type) -> type:
     if cls not in _DDP_CLASSES:  # the mixin first: its trainable_weights is what the optimizer sees
-        _DDP_CLASSES[cls] = type(f"DistributedDataParallel{cls.__name__}", (_DDPModule, cls),
-                                 {"__module__": cls.__module__})
+        _DDP_CLASSES[cls] = _registry.swapped_class(f"DistributedDataParallel{cls.__name__}", (_DDPModule, cls), cls)
     return _DDP_CLASSES[cls]
 
 
