@@ -143,15 +143,34 @@ def _hub_lm(family):
     return lm(backbone=backbone(**HUB, **extra), preprocessor=None)
 
 
+def hub_batch():
+    """16 rows of 8 token ids and their next tokens, keras-hub's causal-LM inputs."""
+    ids = np.random.default_rng(0).integers(0, 64, (16, 8)).astype("int32")
+    return {"token_ids": ids, "padding_mask": np.ones_like(ids)}, np.roll(ids, -1, axis=1)
+
+
+def assert_hub_fit_equals_one_device(ref, lm, x, y):
+    """3 fit steps of the one-device ``ref`` and the distributed ``lm`` (dense Adam): the same losses
+    and weights."""
+    sce = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    losses = []
+    for m in (ref, lm):
+        m.compile(optimizer=DenseAdam(1e-2), loss=sce)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            losses.append(m.fit(x, y, batch_size=16, epochs=3, verbose=0, shuffle=False).history["loss"])
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
+    for a, b in zip(ref.get_weights(), lm.get_weights()):
+        np.testing.assert_allclose(b, a, atol=2e-5)
+
+
 @pytest.mark.parametrize("family", ["llama", pytest.param("gemma", marks=pytest.mark.slow)])
 def test_keras_hub_blocks_under_fully_shard_train_like_one_device_with_reduce_scatters(family):
     """keras-hub's decoder blocks (their RMS norms are keras-hub's own layers; Llama keeps its parts in
     private attributes) under fully_shard: every weight is sharded and reduce-scattered except the
     token table's lookup gradient (an integer input: TF's all-reduce, documented); 3 fit steps
     equal one device."""
-    rng = np.random.default_rng(0)
-    ids = rng.integers(0, 64, (16, 8)).astype("int32")
-    x, y = {"token_ids": ids, "padding_mask": np.ones_like(ids)}, np.roll(ids, -1, axis=1)
+    x, y = hub_batch()
     sce = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     ref = _hub_lm(family)
     lm = _hub_lm(family)
@@ -171,15 +190,7 @@ def test_keras_hub_blocks_under_fully_shard_train_like_one_device_with_reduce_sc
     counts = comm.get_comm_counts()
     assert counts.get("all_reduce") == 1, counts  # the token lookup's table gradient
     assert counts["reduce_scatter_tensor"] >= 2 * 9 + 1, counts
-    losses = []
-    for m in (ref, lm):
-        m.compile(optimizer=DenseAdam(1e-2), loss=sce)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            losses.append(m.fit(x, y, batch_size=16, epochs=3, verbose=0, shuffle=False).history["loss"])
-    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
-    for a, b in zip(ref.get_weights(), lm.get_weights()):
-        np.testing.assert_allclose(b, a, atol=2e-5)
+    assert_hub_fit_equals_one_device(ref, lm, x, y)
 
 
 def test_keras_hub_llama_accumulates_unreduced_until_the_synchronizing_micro_batch():

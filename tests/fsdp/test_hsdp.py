@@ -152,29 +152,14 @@ def test_keras_hub_models_under_hsdp_train_like_one_device(family):
     """Third-party models: keras-hub's Llama and Gemma causal LMs (their norms and rotary
     attention run per shard inside each replica group; Gemma's grouped-query scores are 6-D there)
     fit on 2x4 as on one device."""
-    import warnings
+    from test_fsdp_custom_layers import _hub_lm, assert_hub_fit_equals_one_device, hub_batch
 
-    from keras_helpers import DenseAdam
-    from test_fsdp_custom_layers import _hub_lm
-
-    rng = np.random.default_rng(0)
-    ids = rng.integers(0, 64, (16, 8)).astype("int32")
-    x, y = {"token_ids": ids, "padding_mask": np.ones_like(ids)}, np.roll(ids, -1, axis=1)
-    sce = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     ref, lm = _hub_lm(family), _hub_lm(family)
     mesh = hsdp_mesh((2, 4))
     for block in lm.backbone.transformer_layers:
         fully_shard(block, mesh=mesh)
     fully_shard(lm, mesh=mesh)
-    losses = []
-    for m in (ref, lm):
-        m.compile(optimizer=DenseAdam(1e-2), loss=sce)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            losses.append(m.fit(x, y, batch_size=16, epochs=3, verbose=0, shuffle=False).history["loss"])
-    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
-    for a, b in zip(ref.get_weights(), lm.get_weights()):
-        np.testing.assert_allclose(b, a, atol=2e-5)
+    assert_hub_fit_equals_one_device(ref, lm, *hub_batch())
 
 
 def test_held_gradients_are_refused_by_name_under_hsdp():
