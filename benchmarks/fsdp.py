@@ -7,6 +7,8 @@ batch, all computing the same first-step loss:
 * ``fsdp``: fully_shard on every layer and the model (reshard_after_forward=True);
 * ``fsdp-keep``: the same with reshard_after_forward=False;
 * ``hsdp 2x4`` / ``hsdp 4x2``: fully_shard on a 2-D (replicate, shard) mesh (HSDP);
+* ``fsdp + cpu offload``: ``fsdp`` with ``CPUOffloadPolicy()``: shards and Adam state on the
+  host mesh between steps, copied to the devices for each step, the optimizer step on the host;
 * ``tfdist-dp``: replicated weights, batch split (keras.distribution.DataParallel on tfdist);
 * ``tfdist-dp + ZeRO``: the same with ``tfdist.optim.ZeroRedundancyOptimizer`` (Adam state sharded);
 * ``mirrored``: Keras ``model.fit`` machinery under ``tf.distribute.MirroredStrategy``.
@@ -20,6 +22,8 @@ Measured:
 * bytes each device sends per forward+backward, read from the per-device
   programs TF ran, against torch's 3 (N-1)/N x parameter bytes;
 * step time (train_on_batch), median over rounds;
+* bytes of parameters + optimizer state left on the device mesh between steps (CPU offload: none;
+  on this CPU-only host the host mesh is the same memory, see docs/fsdp.md);
 * gradient accumulation over 4 micro-batches of 16: reducing every
   micro-batch against ``set_requires_gradient_sync(False)`` for the first 3
   (held unreduced, one reduce-scatter at the 4th): bytes each device sends
@@ -51,7 +55,8 @@ from tensorflow.experimental import dtensor  # noqa: E402
 from tensorflow.python.eager import context  # noqa: E402
 
 from _common import executed_collective_bytes, print_table, write_results  # noqa: E402
-from tfdist.fsdp import fully_shard  # noqa: E402
+from tfdist.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard  # noqa: E402
+from tfdist.fsdp._offload import is_host_mesh, is_offloaded  # noqa: E402
 from tfdist.fsdp._fully_shard import _group_states  # noqa: E402
 from tfdist.optim import ZeroRedundancyOptimizer  # noqa: E402
 
@@ -75,11 +80,17 @@ def compiled(model: keras.Model) -> keras.Model:
     return model
 
 
-def fsdp_model(mesh, reshard=True) -> keras.Model:
+def fsdp_model(mesh, reshard=True, offload=OffloadPolicy()) -> keras.Model:
     model = make_model()
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
-    return compiled(fully_shard(model, mesh=mesh, reshard_after_forward=reshard))
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, offload_policy=offload)
+    return compiled(fully_shard(model, mesh=mesh, reshard_after_forward=reshard, offload_policy=offload))
+
+
+def _on_host_mesh(variable) -> bool:
+    """An optimizer variable stored with offloaded parameters: on a host mesh."""
+    inner = getattr(variable, "_value", None)
+    return isinstance(inner, dtensor.DVariable) and is_host_mesh(dtensor.fetch_layout(inner.read_value()).mesh)
 
 
 def local_bytes(t) -> int:
@@ -271,7 +282,8 @@ def main() -> None:
     enable_allocator_stats()
     mesh = tfdist.init_device_mesh("cpu", (8,), mesh_dim_names=("dp",))
     param_bytes = sum(int(np.prod(v.shape)) * 4 for v in make_model().trainable_variables)
-    programs = {"fsdp": lambda: fsdp_model(mesh, True), "fsdp-keep": lambda: fsdp_model(mesh, False)}
+    programs = {"fsdp": lambda: fsdp_model(mesh, True), "fsdp-keep": lambda: fsdp_model(mesh, False),
+                "fsdp + cpu offload": lambda: fsdp_model(mesh, True, CPUOffloadPolicy())}
     hsdp = {f"hsdp {r}x{8 // r}": tfdist.init_device_mesh("cpu", (r, 8 // r), mesh_dim_names=("replicate", "shard"))
             for r in (2, 4)}
     for name, hsdp_mesh in hsdp.items():
@@ -341,6 +353,9 @@ def main() -> None:
     held = {name: sum(local_bytes(v) for v in m.trainable_variables + list(m.optimizer.variables))
             for name, m in models.items() if name != "mirrored"}
     held_mirrored = held["tfdist-dp"]  # a full copy of parameters and Adam state per device
+    on_devices = {name: sum(local_bytes(v) for v in m.trainable_variables + list(m.optimizer.variables)
+                            if not is_offloaded(v) and not _on_host_mesh(v))
+                  for name, m in models.items() if name != "mirrored"}
     timing = []
     for name in models:
         ms = statistics.median(times[name])
@@ -348,6 +363,7 @@ def main() -> None:
             "program": name, "first loss": round(first[name], 6), "step ms": round(ms, 1),
             "vs mirrored": round(ms / base, 3),
             "params+state MB / device": round(held.get(name, held_mirrored) / 1e6, 2),
+            "on devices between steps MB": round(on_devices.get(name, held_mirrored) / 1e6, 2),
             "peak MB / device": round(peaks[name] / 8 / 1e6, 2) if peaks[name] >= 0 else "no allocator stats",
             "MB sent / device": round(sent[name] / 1e6, 2) if name in sent else "",
             "sent / torch's plan": round(sent[name] / torch_plan[name], 3) if name in sent else "",

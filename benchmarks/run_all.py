@@ -90,8 +90,16 @@ def _fsdp(d: dict) -> Headline:
     held = [(f"FSDP over {r['N']}: memory held / (total / N)", r["held / (total/N)"], "")
             for r in d["rows"] if isinstance(r.get("N"), int) and r["N"] > 1 and "held / (total/N)" in r][:3]
     hsdp = [r for r in d["rows"] if str(r.get("program", "")).startswith("hsdp")]
+    by_program = {r["program"]: r for r in d["rows"] if "program" in r}
+    offload = []
+    if "fsdp + cpu offload" in by_program and "on devices between steps MB" in by_program["fsdp + cpu offload"]:
+        row = by_program["fsdp + cpu offload"]
+        offload = [("FSDP + CPU offload: params + optimizer MB on the devices between steps",
+                    row["on devices between steps MB"], "0"),
+                   ("FSDP + CPU offload: step time / FSDP's", round(row["step ms"] / by_program["fsdp"]["step ms"], 3),
+                    "")]
     return held + [(f"HSDP {r['program'].split()[-1]}: bytes sent per step / torch's plan", r["sent / torch's plan"],
-                    "<= 1.0") for r in hsdp]
+                    "<= 1.0") for r in hsdp] + offload
 
 
 def _fsdp_accumulation(d: dict) -> Headline:

@@ -61,21 +61,22 @@ def test_the_name_list_covers_the_specification_once():
     assert len(names) >= 240  # what the specification names, plus the members torch users call most
 
 
-def test_refused_names_raise_with_the_reason():
-    """The refusals the table lists are real: the call raises NotImplementedError saying why."""
-    import tfdist.fsdp as fsdp
-
-    refused = {e["torch"] for e in TORCH_NAMES if e["status"] == "refused"}
-    assert refused == {"torch.distributed.fsdp.CPUOffloadPolicy", "torch.distributed.fsdp.CPUOffload"}
+def test_no_name_is_refused_any_more():
+    """The last refusals (CPU offload) were built: the table lists none, and both names act --
+    the offloaded shards live on a host mesh (tests/fsdp/test_cpu_offload.py trains with them)."""
     import keras
 
+    import tfdist.fsdp as fsdp
+    from tfdist.fsdp import _offload
+
+    assert {e["torch"] for e in TORCH_NAMES if e["status"] == "refused"} == set()
     layer = keras.layers.Dense(4)
     layer.build((None, 8))
-    with pytest.raises(NotImplementedError, match="CPUOffload|offload"):
-        fsdp.fully_shard(layer, offload_policy=fsdp.CPUOffloadPolicy())
-    with pytest.raises(NotImplementedError, match="CPUOffload"):
-        fsdp.FullyShardedDataParallel(keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)]),
-                                      cpu_offload=fsdp.CPUOffload(offload_params=True))
+    fsdp.fully_shard(layer, offload_policy=fsdp.CPUOffloadPolicy())
+    assert all(_offload.is_offloaded(v) for v in layer.trainable_variables)
+    model = fsdp.FullyShardedDataParallel(keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)]),
+                                          cpu_offload=fsdp.CPUOffload(offload_params=True))
+    assert all(_offload.is_offloaded(v) for v in model.trainable_variables)
 
 
 @pytest.mark.parametrize("concept", CONCEPTS, ids=lambda c: c["tf"])

@@ -47,6 +47,7 @@ class VariableState:
     layout_fn: Callable[[int], Any] | None = None  # created before its values exist: its layout then
     logical_shape: tuple[int, ...] | None = None  # a DVariable stored padded: the shape Keras sees
     replicas_of: Any = None  # DistributedDataParallel's stacked replicas [R, ...] of this module variable
+    device_layout: Any = None  # CPU offload: stored on the host mesh; the layout of its per-step device copy
 
 
 @dataclasses.dataclass

@@ -3,13 +3,14 @@
     python docs/tf_dtensor_repros/cross_mesh_sharded_copy.py
 
 FSDP's CPU offload keeps each parameter shard on a host mesh and copies it to
-the accelerator mesh before the all-gather (and the gradient shard back).
+the device mesh for each step (and the gradient shard back).
 ``dtensor.copy_to_mesh`` of a tensor sharded on one mesh to a sharded layout
 on another mesh of the same shape fails in SPMD expansion ("SPMD expansion
 resulted in op output inconsistent with the provided layout"); only a
-replicated tensor crosses meshes.  So a shard cannot move between host and
-device meshes without gathering it first, and tfdist refuses
-``CPUOffloadPolicy`` instead.  Exit status 1 when the limitation reproduces.
+replicated tensor crosses meshes.  So no program can move a shard between host
+and device meshes without gathering it first, and tfdist copies each device's
+shard between the step programs instead (tfdist/fsdp/_offload.py).  Exit status
+1 when the limitation reproduces.
 """
 
 import os

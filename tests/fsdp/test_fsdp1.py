@@ -164,8 +164,8 @@ def test_bad_arguments():
         FSDP(make_gpt(), device_mesh=tfdist.init_device_mesh("cpu", (2, 4), mesh_dim_names=("r", "s")))
     with pytest.raises(ValueError, match="process_group"):
         FSDP(make_gpt(), process_group=object())
-    with pytest.raises(NotImplementedError, match="CPUOffload"):
-        FSDP(make_gpt(), cpu_offload=CPUOffload(offload_params=True))
+    with pytest.raises(ValueError, match="cpu_offload"):
+        FSDP(make_gpt(), cpu_offload=True)
     with pytest.raises(ValueError, match="sharding_strategy"):
         FSDP(make_gpt(), sharding_strategy="FULL_SHARD")
     model = make_gpt()

@@ -275,8 +275,8 @@ def test_bad_input_is_refused_before_anything_changes():
         MixedPrecisionPolicy(param_dtype="int32")
     with pytest.raises(ValueError, match="reshard_after_forward"):
         fully_shard(model, mesh=dp_mesh(), reshard_after_forward="yes")
-    with pytest.raises(NotImplementedError, match="CPUOffloadPolicy"):
-        fully_shard(model, mesh=dp_mesh(), offload_policy=CPUOffloadPolicy())
+    with pytest.raises(ValueError, match="offload_policy"):
+        fully_shard(model, mesh=dp_mesh(), offload_policy="cpu")
     with pytest.raises(ValueError, match="Shard"):
         fully_shard(model, mesh=dp_mesh(), shard_placement_fn=lambda v: "dim0")
     with pytest.raises(ValueError, match="not built"):
@@ -314,8 +314,9 @@ def test_gradient_accumulation_equals_one_large_batch(float64):
     assert max_weight_diff(ref, model) < 1e-12
 
 
-def test_cpu_offload_limitation_reproduces():
-    """The reason CPUOffloadPolicy is refused, run as a script: a sharded DTensor cannot cross meshes."""
+def test_cross_mesh_copy_limitation_reproduces():
+    """Why CPU offload copies shards between programs, run as a script: inside one, a sharded
+    DTensor cannot cross meshes."""
     import pathlib
     import subprocess
     import sys

@@ -1,6 +1,6 @@
 """Tensor-parallel (and/or FSDP) model.fit; run under `tfdist run` or alone (with virtual CPUs).
 
-    python tp_fit.py OUT.npz TOTAL_DEVICES [tp|fsdp|fsdp+tp]
+    python tp_fit.py OUT.npz TOTAL_DEVICES [tp|fsdp|fsdp+tp|fsdp+offload]
 
 Rank 0 writes the final weights and the loss history to OUT.npz.
 """
@@ -19,7 +19,7 @@ if "WORLD_SIZE" not in os.environ:
     tfdist.virtual_cpus(total)  # the single-process reference: same global mesh
 import keras  # noqa: E402
 
-from tfdist.fsdp import fully_shard  # noqa: E402
+from tfdist.fsdp import CPUOffloadPolicy, fully_shard  # noqa: E402
 from tfdist.models import MLP, mlp_tp_plan  # noqa: E402
 from tfdist.tensor.parallel import parallelize_module  # noqa: E402
 
@@ -33,6 +33,9 @@ if mode == "fsdp":  # one data-parallel dim over every device of every client
     fully_shard(model, mesh=tfdist.init_device_mesh("cpu", (total,), mesh_dim_names=("dp",)))
 elif mode == "fsdp+tp":
     fully_shard(model, mesh=mesh["dp"])
+elif mode == "fsdp+offload":  # shards on each client's host mesh between steps, Adam run there
+    fully_shard(model, mesh=tfdist.init_device_mesh("cpu", (total,), mesh_dim_names=("dp",)),
+                offload_policy=CPUOffloadPolicy())
 model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
 rng = np.random.default_rng(0)
 x = rng.standard_normal((64, 16)).astype("float32")

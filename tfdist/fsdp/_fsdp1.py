@@ -22,7 +22,7 @@ from tfdist.device_mesh import DeviceMesh, default_data_parallel_mesh
 from tfdist.fsdp._fully_shard import (
     _REPLICATE, FSDPModule, _group_states, _retrace_keras_steps, fsdp_class, fully_shard, refuse_unsynced_hsdp,
 )
-from tfdist.fsdp._policies import MixedPrecisionPolicy
+from tfdist.fsdp._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from tfdist.fsdp import _optim_state, _state_dict
 from tfdist.fsdp._state_dict import StateDictSettings, StateDictType
 from tfdist.tensor._modules import module_backend
@@ -66,7 +66,7 @@ class MixedPrecision:
 
 
 class CPUOffload:
-    """``offload_params=True`` is not supported (see ``CPUOffloadPolicy``)."""
+    """``offload_params=True``: every unit's shards live on the host mesh (``CPUOffloadPolicy``)."""
 
     def __init__(self, offload_params: bool = False) -> None:
         self.offload_params = offload_params
@@ -327,11 +327,10 @@ class FullyShardedDataParallel(metaclass=_FSDP1Meta):
         if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
             raise ValueError(f"FullyShardedDataParallel({name!r}): backward_prefetch must be a BackwardPrefetch or "
                              f"None. Received: backward_prefetch={backward_prefetch!r}")
-        if cpu_offload is not None and cpu_offload.offload_params:
-            raise NotImplementedError(
-                f"FullyShardedDataParallel({name!r}): CPUOffload(offload_params=True) is not supported: a TF "
-                "DTensor variable lives on its mesh's devices. Use cpu_offload=None."
-            )
+        if cpu_offload is not None and not isinstance(cpu_offload, CPUOffload):
+            raise ValueError(f"FullyShardedDataParallel({name!r}): cpu_offload must be a CPUOffload or None. "
+                             f"Received: cpu_offload={cpu_offload!r}")
+        offload = CPUOffloadPolicy() if cpu_offload is not None and cpu_offload.offload_params else OffloadPolicy()
         if isinstance(module, FSDPModule):
             raise ValueError(f"FullyShardedDataParallel({name!r}): the module is already sharded with FSDP.")
         ignored = [v for m in (ignored_modules or ()) for v in modules.variables(m)]
@@ -347,8 +346,10 @@ class FullyShardedDataParallel(metaclass=_FSDP1Meta):
             unit_strategy = overrides.get("sharding_strategy", strategy)
             _check_hybrid_mesh(unit_strategy, device_mesh, name)
             unit_args = _strategy_args(unit_strategy)
-            fully_shard(unit, mesh=device_mesh, mp_policy=unit_mp.policy, ignored_params=ignored, **unit_args)
-        fully_shard(module, mesh=device_mesh, mp_policy=mp.root_policy, ignored_params=ignored, **args)
+            fully_shard(unit, mesh=device_mesh, mp_policy=unit_mp.policy, ignored_params=ignored,
+                        offload_policy=offload, **unit_args)
+        fully_shard(module, mesh=device_mesh, mp_policy=mp.root_policy, ignored_params=ignored,
+                    offload_policy=offload, **args)
         for layer in [unit for unit, _ in units] + [module]:
             layer.__class__ = fsdp_class(type(layer), (_FSDP1Methods,))
             _registry.module(layer).fsdp1_root = layer is module

@@ -32,6 +32,7 @@ from tfdist.fsdp._collectives import (
 )
 from tfdist.fsdp._gather_order import GatherOrder
 from tfdist.fsdp._grad_sync import GradientSync
+from tfdist.fsdp._offload import is_offloaded
 from tfdist.fsdp._mesh_dims import DataParallelMeshDims, ShardPlacementResult, fsdp_meshes, placement_on
 from tfdist.fsdp._replica_groups import in_replica_group, replica_groups_call
 from tfdist.fsdp._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -360,11 +361,11 @@ def _check_args(module: Any, mesh: DeviceMesh, reshard_after_forward: Any, mp_po
             f"fully_shard({path!r}): offload_policy must be OffloadPolicy() or CPUOffloadPolicy(). "
             f"Received: {offload_policy!r}"
         )
-    if isinstance(offload_policy, CPUOffloadPolicy):
+    if isinstance(offload_policy, CPUOffloadPolicy) and mesh.root_mesh.ndim != len(mesh.root_dims):
         raise NotImplementedError(
-            f"fully_shard({path!r}): CPUOffloadPolicy is not supported: the shards would live on a host "
-            "mesh, and TF DTensor 2.21 cannot copy a sharded tensor between meshes (only a replicated "
-            "one; docs/tf_dtensor_repros/cross_mesh_sharded_copy.py). Use OffloadPolicy()."
+            f"fully_shard({path!r}): CPUOffloadPolicy on a slice of a larger mesh (HSDP, or FSDP with "
+            f"tensor parallelism on {mesh.root_mesh.axis_names}) is not built: offload is tested on a 1-D "
+            "data-parallel mesh. Use OffloadPolicy() there."
         )
     if isinstance(module, FSDPModule):
         raise ValueError(
@@ -458,7 +459,10 @@ def fully_shard(
             replicated.  A ``ShardPlacementResult`` (torch 2.13's
             per-parameter mesh) must name the group's own dp dim.
         mp_policy: parameter, reduction and output dtypes.
-        offload_policy: ``OffloadPolicy()`` (CPU offload is not supported).
+        offload_policy: ``OffloadPolicy()``, or ``CPUOffloadPolicy()``: the shards,
+            their gradients and optimizer state live on the host mesh between
+            steps, copied to the devices for each forward/backward; the
+            optimizer step runs on the host (1-D meshes; see docs/fsdp.md).
         ignored_params: variables to leave as they are.
         dp_mesh_dims: with ``mesh`` the full SPMD mesh, the dim to shard
             over (``DataParallelMeshDims(shard="dp")`` is ``mesh["dp"]``);
@@ -515,9 +519,13 @@ def fully_shard(
     modules.attach_mesh(module, mesh, dp_dim if replicate is None else replicate.root_dims[0])
     for layer, name, variable, param in plans:
         modules.place_variable(variable, param.shard_layout)
+        if isinstance(offload_policy, CPUOffloadPolicy):
+            modules.offload_variable(variable, param.shard_layout)
         state.params.append((variable, param))
     replicate_unplaced(modules, module, mesh)
     _hook_layers(modules, plans, state)
+    if isinstance(offload_policy, CPUOffloadPolicy):
+        _hook_offloaded_call(modules, module, path)
     if replicate is not None:
         _hook_replica_groups(modules, module, mesh, replicate)
     _hook_module_dtypes(modules, module, mp_policy)
@@ -666,13 +674,23 @@ def _sharded_product_call(
             equation, x, _shard(modules, kernel_var, kernel_param, state), kernel_param,
             batch_sharded=_batch_splits(x, kernel_param),
             compute_dtype=compute, reduce_dtype=state.mp.reduce_dtype,
-            regather=(lambda: modules.stored_value(kernel_var)) if state.regather_in_backward else None,
+            regather=_regather(modules, kernel_var) if state.regather_in_backward else None,
             bias=bias_arg,
         )
         y = tf.cast(y, kind.compute_dtype)  # the layer's output dtype, whatever param_dtype computed
         return kind.activation(y) if kind.activation is not None else y
 
     return call
+
+
+def _regather(modules: ModuleBackend, variable: Any) -> Callable[[], tf.Tensor]:
+    """What the backward gathers again: the stored shard, read when the backward is built.  An
+    eager backward runs after the call has returned, so it takes the shard the forward read (an
+    offloaded parameter's device copy exists only during the call)."""
+    if tf.executing_eagerly():
+        shard = modules.stored_value(variable)
+        return lambda: shard
+    return lambda: modules.stored_value(variable)
 
 
 def _batch_splits(x: tf.Tensor, param: ShardedParam) -> bool:
@@ -788,6 +806,24 @@ def _gathered_call(modules: ModuleBackend, params: dict, state: _FSDPState) -> C
             return original(*args, **kwargs)
 
     return call
+
+
+def _hook_offloaded_call(modules: ModuleBackend, module: Any, path: str) -> None:
+    """CPU offload: an eager call of the module copies its offloaded parameters (its own and its
+    FSDP children's) to the device mesh for the call; inside tfdist's steps they are there already
+    (``modules.device_copies_for_call``).  Not a replaced computation: the flag stays as it was."""
+    replaced = _registry.module(module).call_replaced
+
+    def call(original, *args, **kwargs):
+        leaves = [as_tf(a) for a in tf.nest.flatten((args, kwargs))]
+        if any(modules.is_symbolic(t) for t in leaves):
+            return original(*args, **kwargs)
+        offloaded = [v for v in modules.all_weights(module) if is_offloaded(v)]
+        with modules.device_copies_for_call(offloaded, path):
+            return original(*args, **kwargs)
+
+    modules.replace_call(module, call)
+    _registry.module(module).call_replaced = replaced
 
 
 def _hook_replica_groups(modules: ModuleBackend, module: Any, shard: DeviceMesh, replicate: DeviceMesh) -> None:

@@ -150,7 +150,7 @@ def _layer_mesh(layer: Any) -> dtensor.Mesh | None:
     distribution's mesh (None: neither, or variables on several meshes)."""
     variables = layer.variables
     if variables:
-        meshes = {_variables.layout_of(v._value).mesh for v in variables if _variables.is_dtensor_variable(v)}
+        meshes = {_variables.compute_mesh(v) for v in variables if _variables.is_dtensor_variable(v)}
         return meshes.pop() if len(meshes) == 1 else None
     distribution = keras.distribution.distribution()
     return tfdist_mesh(distribution.device_mesh).to_tf() if distribution is not None else None

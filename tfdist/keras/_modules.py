@@ -21,7 +21,7 @@ from tensorflow.experimental import dtensor
 
 from tfdist import _patches, _registry
 from tfdist.device_mesh import DeviceMesh
-from tfdist.keras import _variables
+from tfdist.keras import _offload_step, _variables
 from tfdist.keras._backend import tfdist_mesh
 from tfdist.keras._distribution import MeshDistribution
 from tfdist.tensor._modules import LayerKind, Pending, register_module_backend, with_hooks
@@ -276,6 +276,12 @@ class KerasModules:
 
     def place_variable(self, variable: Any, layout: dtensor.Layout) -> None:
         _variables.to_dvariable(variable, layout)
+
+    def offload_variable(self, variable: Any, layout: dtensor.Layout) -> None:
+        _variables.offload(variable, layout)
+
+    def device_copies_for_call(self, variables: list[Any], what: str) -> contextlib.AbstractContextManager:
+        return _offload_step.device_copies_for_call(variables, what)
 
     def is_placed(self, variable: Any) -> bool:
         return _variables.is_dtensor_variable(variable)

@@ -25,7 +25,7 @@ import tensorflow as tf
 
 from tfdist import _patches, _registry
 from tfdist.device_mesh import DeviceMesh
-from tfdist.keras import _data, _variables
+from tfdist.keras import _data, _offload_step, _variables
 from tfdist.keras._backend import tfdist_mesh
 from tfdist.keras._loss_reduction import mean_loss_reduction
 from tfdist.tensor.parallel.loss import loss_parallel
@@ -42,8 +42,8 @@ def distribution_of(model):
 def mesh_of(model):
     """(root tfdist DeviceMesh, batch mesh dim index or None) of a distributed model."""
     distribution = distribution_of(model)
-    tf_mesh = next(
-        (_variables.layout_of(v._value).mesh for v in model.variables if _variables.is_dtensor_variable(v)),
+    tf_mesh = next(  # an offloaded parameter lives on the host mesh; its steps on its device copy's
+        (_variables.compute_mesh(v) for v in model.variables if _variables.is_dtensor_variable(v)),
         None,
     )
     if distribution is not None:
@@ -326,6 +326,18 @@ def _by_batch_split(step_function, run_eagerly: bool, mesh, batch_axis):
     return step
 
 
+def _steps(model, step_function, mesh, batch_axis):
+    """``step(data, splits_evenly=None)`` running ``step_function``: as a program on the mesh, or,
+    for a model with parameters offloaded to the host mesh, around such a program
+    (``_offload_step``)."""
+    def split(function):
+        return _by_batch_split(function, model.run_eagerly, mesh, batch_axis)
+
+    if _offload_step.offloaded_variables(model):
+        return _offload_step.offloaded_steps(model, step_function, split, mesh, batch_axis)
+    return split(step_function)
+
+
 def install() -> None:
     trainer = "keras.src.backend.tensorflow.trainer:TensorFlowTrainer."
     if _patches.installed(trainer + "_make_function"):
@@ -339,7 +351,7 @@ def install() -> None:
         check_layout_map(self)
         mesh, batch_axis = mesh_of(self)
         _warn_jit_compile(self, mesh)
-        one_step = _by_batch_split(step_function, self.run_eagerly, mesh, batch_axis)
+        one_step = _steps(self, step_function, mesh, batch_axis)
         feeds = {}  # the feed of the epoch iterator Keras passes (one, reused while Keras reuses it)
 
         def function(iterator):
@@ -370,7 +382,7 @@ def install() -> None:
             return self.predict_function
         check_layout_map(self)
         mesh, batch_axis = mesh_of(self)
-        step = _by_batch_split(self.predict_step, self.run_eagerly, mesh, batch_axis)
+        step = _steps(self, self.predict_step, mesh, batch_axis)
 
         def predict_function(data):
             outputs = None

@@ -26,7 +26,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfdist import _patches, _registry
-from tfdist.fsdp import FSDPStyle
+from tfdist.fsdp import FSDPStyle, _offload
 from tfdist.keras._backend import _as_tf_layout, distribute_tensor, new_dvariable, tfdist_mesh
 from tfdist.keras._data import gather_to_numpy
 from tfdist.tensor._modules import module_backend
@@ -36,6 +36,7 @@ __all__ = [
     "is_dtensor_variable",
     "current_value",
     "record_write",
+    "reads_device_copies",
     "to_dvariable",
     "layout_scope",
     "install",
@@ -72,11 +73,48 @@ def _graph_cache() -> dict[int, tf.Tensor] | None:
 
 
 def current_value(dvariable: dtensor.DVariable) -> tf.Tensor:
-    """The value of ``dvariable`` as this program last wrote it (or a fresh read), at Keras' shape."""
+    """The value of ``dvariable`` as this program last wrote it (or its device copy, or a fresh
+    read), at Keras' shape."""
     cache = _graph_cache()
     if cache is not None and id(dvariable) in cache:
         return unpad(dvariable, cache[id(dvariable)])
+    copy = getattr(_state, "device_copies", {}).get(id(dvariable))
+    if copy is not None:
+        return unpad(dvariable, copy)
     return unpad(dvariable, dvariable.read_value())
+
+
+class _ThreadMap:
+    """Within it (this thread), ``_state.<attr>`` maps each given object's id to its tensor, on
+    top of what an enclosing block of the same kind maps."""
+
+    attr = ""
+
+    def __init__(self, pairs: list[tuple[Any, tf.Tensor]]) -> None:
+        self.values = {id(obj): value for obj, value in pairs}
+
+    def __enter__(self) -> None:
+        self.saved = getattr(_state, self.attr, {})
+        setattr(_state, self.attr, {**self.saved, **self.values})
+
+    def __exit__(self, *exc: object) -> None:
+        setattr(_state, self.attr, self.saved)
+
+
+class reads_device_copies(_ThreadMap):
+    """Within it (this thread), every read of one of the given DVariables gives its tensor.
+
+    CPU offload: a parameter lives on the host mesh between steps; a step runs on the device mesh
+    with a copy made before it (``tfdist.fsdp._offload``), and every read path -- a Keras
+    variable's ``value``, FSDP's stored shard -- serves that copy, so the step's program never
+    touches the host mesh and its gradient is taken with respect to the copy."""
+
+    attr = "device_copies"
+
+
+def has_device_copy(dvariable: Any) -> bool:
+    """A ``reads_device_copies`` block of this thread serves ``dvariable``."""
+    return id(dvariable) in getattr(_state, "device_copies", {})
 
 
 def record_write(dvariable: dtensor.DVariable, value: tf.Tensor) -> None:
@@ -126,7 +164,7 @@ class variables_as_handles:
         _state.handles = self.saved
 
 
-class reads_as:
+class reads_as(_ThreadMap):
     """Within it (this thread), reading one of the given Keras variables gives its tensor.
 
     FSDP runs a layer's call with its gathered (unsharded) parameters this
@@ -136,15 +174,7 @@ class reads_as:
     assignments and losses, which must reach the real variables here.
     """
 
-    def __init__(self, values: list[tuple[Any, tf.Tensor]]) -> None:
-        self.values = {id(v): t for v, t in values}
-
-    def __enter__(self) -> None:
-        self.saved = getattr(_state, "substitutes", {})
-        _state.substitutes = {**self.saved, **self.values}
-
-    def __exit__(self, *exc: object) -> None:
-        _state.substitutes = self.saved
+    attr = "substitutes"
 
 
 # -- where a new variable's layout comes from -----------------------------------
@@ -304,6 +334,28 @@ def to_dvariable(variable: Any, layout: dtensor.Layout) -> None:
     variable._value = make_dvariable(value, layout, trainable=variable.trainable, name=variable.name)
 
 
+def offload(variable: Any, device: dtensor.Layout) -> None:
+    """Stores Keras ``variable`` (a DVariable on ``device``) on the host mesh, sharded alike
+    (``tfdist.fsdp._offload``); its device copy takes ``device``."""
+    inner = variable._value
+    if logical_shape(inner) is not None:
+        raise NotImplementedError(
+            f"CPU offload: {variable.path} is stored padded (its shape {logical_shape(inner)} does not "
+            "split evenly over its layout); offloading a padded parameter is not built. Leave it on the "
+            "devices (fully_shard(..., ignored_params=[it])) or use a mesh that divides it.")
+    host = _offload.host_layout(device)
+    value = _offload.copy_shards(inner.read_value(), host)
+    variable._value = new_dvariable(value, host, trainable=variable.trainable, name=variable.name)
+    _offload.record(variable, device)
+
+
+def compute_mesh(variable: Any) -> dtensor.Mesh:
+    """The mesh a Keras DTensor variable's layer computes on: its own, or for an offloaded one
+    (stored on the host mesh) its device copy's."""
+    layout = _offload.device_layout(variable)
+    return layout.mesh if layout is not None else layout_of(variable._value).mesh
+
+
 def _host_cpu() -> str:
     return tf.config.list_logical_devices("CPU")[0].name
 
@@ -364,6 +416,8 @@ def install() -> None:
             cache = _graph_cache()
             if cache is not None and id(inner) in cache:
                 return self._maybe_autocast(unpad(inner, cache[id(inner)]))
+            if has_device_copy(inner):  # CPU offload: the step's device copy
+                return self._maybe_autocast(current_value(inner))
             if logical_shape(inner) is not None:  # stored padded: every read is cut to Keras' shape
                 return self._maybe_autocast(unpad(inner, inner.read_value()))
         return base_value(self)

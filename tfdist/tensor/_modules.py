@@ -135,6 +135,14 @@ class ModuleBackend(Protocol):
     def place_variable(self, variable: Any, layout: dtensor.Layout) -> None:
         """Moves a variable onto ``layout`` in place."""
 
+    def offload_variable(self, variable: Any, layout: dtensor.Layout) -> None:
+        """Stores a variable placed on ``layout`` on the host mesh with the same sharding (CPU
+        offload, ``tfdist.fsdp._offload``); its steps run on a copy laid out by ``layout``."""
+
+    def device_copies_for_call(self, variables: list[Any], what: str) -> AbstractContextManager:
+        """Within it, offloaded ``variables`` read as device copies (made for an eager call of
+        ``what``; a traced call outside the framework's steps is refused)."""
+
     def is_placed(self, variable: Any) -> bool:
         """True when the variable already lives on a mesh."""
 
