@@ -361,12 +361,6 @@ def _check_args(module: Any, mesh: DeviceMesh, reshard_after_forward: Any, mp_po
             f"fully_shard({path!r}): offload_policy must be OffloadPolicy() or CPUOffloadPolicy(). "
             f"Received: {offload_policy!r}"
         )
-    if isinstance(offload_policy, CPUOffloadPolicy) and mesh.root_mesh.ndim != len(mesh.root_dims):
-        raise NotImplementedError(
-            f"fully_shard({path!r}): CPUOffloadPolicy on a slice of a larger mesh (HSDP, or FSDP with "
-            f"tensor parallelism on {mesh.root_mesh.axis_names}) is not built: offload is tested on a 1-D "
-            "data-parallel mesh. Use OffloadPolicy() there."
-        )
     if isinstance(module, FSDPModule):
         raise ValueError(
             f"fully_shard was already applied to {path!r}; apply it once per module, bottom-up "
@@ -462,7 +456,7 @@ def fully_shard(
         offload_policy: ``OffloadPolicy()``, or ``CPUOffloadPolicy()``: the shards,
             their gradients and optimizer state live on the host mesh between
             steps, copied to the devices for each forward/backward; the
-            optimizer step runs on the host (1-D meshes; see docs/fsdp.md).
+            optimizer step runs on the host (not with HSDP; see docs/fsdp.md).
         ignored_params: variables to leave as they are.
         dp_mesh_dims: with ``mesh`` the full SPMD mesh, the dim to shard
             over (``DataParallelMeshDims(shard="dp")`` is ``mesh["dp"]``);
@@ -487,6 +481,13 @@ def fully_shard(
     mesh = mesh if mesh is not None else default_data_parallel_mesh()
     mesh, replicate = fsdp_meshes(mesh, dp_mesh_dims, path) if isinstance(mesh, DeviceMesh) else (mesh, None)
     _check_args(module, mesh, reshard_after_forward, mp_policy, offload_policy, path)
+    if isinstance(offload_policy, CPUOffloadPolicy) and replicate is not None:
+        raise NotImplementedError(
+            f"fully_shard({path!r}): CPUOffloadPolicy with HSDP (a {replicate.axis_names[0]!r} x "
+            f"{mesh.axis_names[0]!r} mesh) is not built: each replica group's backward is a custom gradient "
+            "of the variables it reads, and an offloaded parameter is read as its device copy, which that "
+            "gradient does not reach. Use CPUOffloadPolicy() on a 1-D mesh (or with tensor parallelism), "
+            "or OffloadPolicy() with HSDP.")
     if not modules.is_built(module):
         raise ValueError(
             f"fully_shard({path!r}): the module is not built, so its variables do not exist yet. "
