@@ -69,7 +69,8 @@ def test_dtensor_values_on_every_rank(nproc):
         assert f"[rank {rank}] OK rank {rank} of {nproc} clients, 2 local devices, mesh (2, {nproc})" in out.stdout
 
 
-@pytest.mark.parametrize("nproc,mode", [(2, "tp"), (4, "tp"), (2, "fsdp"), (2, "fsdp+tp"), (2, "fsdp+offload")])
+@pytest.mark.parametrize("nproc,mode", [(2, "tp"), (4, "tp"), (2, "fsdp"), (2, "fsdp+tp"), (2, "fsdp+offload"),
+                                       (2, "hsdp"), (4, "hsdp")])
 def test_tensor_parallel_fit_across_clients_equals_one_process(tmp_path, nproc, mode):
     multi, single = tmp_path / "multi.npz", tmp_path / "single.npz"
     total = str(2 * nproc)  # 2 virtual CPUs per client; the mesh is 2 x nproc

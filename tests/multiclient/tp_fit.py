@@ -1,6 +1,6 @@
 """Tensor-parallel (and/or FSDP) model.fit; run under `tfdist run` or alone (with virtual CPUs).
 
-    python tp_fit.py OUT.npz TOTAL_DEVICES [tp|fsdp|fsdp+tp|fsdp+offload]
+    python tp_fit.py OUT.npz TOTAL_DEVICES [tp|fsdp|fsdp+tp|fsdp+offload|hsdp]
 
 Rank 0 writes the final weights and the loss history to OUT.npz.
 """
@@ -33,6 +33,8 @@ if mode == "fsdp":  # one data-parallel dim over every device of every client
     fully_shard(model, mesh=tfdist.init_device_mesh("cpu", (total,), mesh_dim_names=("dp",)))
 elif mode == "fsdp+tp":
     fully_shard(model, mesh=mesh["dp"])
+elif mode == "hsdp":  # parameters sharded over "shard", replica groups over "replicate", across clients
+    fully_shard(model, mesh=tfdist.init_device_mesh("cpu", (2, total // 2), mesh_dim_names=("replicate", "shard")))
 elif mode == "fsdp+offload":  # shards on each client's host mesh between steps, Adam run there
     fully_shard(model, mesh=tfdist.init_device_mesh("cpu", (total,), mesh_dim_names=("dp",)),
                 offload_policy=CPUOffloadPolicy())
