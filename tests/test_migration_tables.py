@@ -43,6 +43,13 @@ def test_the_page_is_the_generators_output():
         "docs/migration.md is out of date: run python docs/migration/make_tables.py"
 
 
+def test_fsdp_page_lists_every_fsdp_name_of_the_specification():
+    text = (ROOT / "docs" / "fsdp.md").read_text()
+    assert text == TABLES.fsdp_page(), "docs/fsdp.md's name list is out of date: run python docs/migration/make_tables.py"
+    listed = {e["torch"] for e in TORCH_NAMES if TABLES._group(e["torch"]) in TABLES.FSDP_GROUPS}
+    assert len(listed) >= 40 and all(f"| `{name}` |" in text for name in listed)
+
+
 @pytest.mark.parametrize("entry", TORCH_NAMES, ids=lambda e: e["torch"])
 def test_each_torch_name_has_the_status_the_table_gives(entry):
     """A name said to work (or to work with a difference, or to refuse) exists at tfdist's path; a name

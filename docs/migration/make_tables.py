@@ -18,6 +18,9 @@ import sys
 
 HERE = pathlib.Path(__file__).resolve().parent
 TABLE = HERE.parent / "migration.md"
+FSDP_PAGE = HERE.parent / "fsdp.md"  # its name list, between the two markers, is written here too
+FSDP_GROUPS = ("torch.distributed.fsdp", "torch.distributed.optim")
+START, END = "<!-- fsdp-names: written by docs/migration/make_tables.py -->", "<!-- fsdp-names: end -->"
 STATUS = {"works": "work", "difference": "work, with a difference", "refused": "refused",
           "not yet": "not in tfdist yet"}
 
@@ -63,8 +66,7 @@ def render() -> str:
         if _group(entry["torch"]) != group:
             group = _group(entry["torch"])
             lines += ["", f"### {group}", "", "| torch | tfdist | status |", "| --- | --- | --- |"]
-        status = STATUS[entry["status"]] + (f": {entry['note']}" if entry["note"] else "")
-        lines.append(f"| `{entry['torch']}` | `{tfdist_path(entry['torch'])}` | {status} |")
+        lines.append(_row(entry))
     lines += ["", "## TF DTensor", "", "What a TF DTensor user wrote, and what to write with tfdist.", "",
               "| TF DTensor | tfdist | how it differs |", "| --- | --- | --- |"]
     for c in concepts:
@@ -73,15 +75,39 @@ def render() -> str:
     return "\n".join(lines) + "\n"
 
 
+def _row(entry: dict) -> str:
+    status = STATUS[entry["status"]] + (f": {entry['note']}" if entry["note"] else "")
+    return f"| `{entry['torch']}` | `{tfdist_path(entry['torch'])}` | {status} |"
+
+
+def render_fsdp_names() -> str:
+    """The FSDP and distributed-optimizer names of the specification with their status, for
+    docs/fsdp.md."""
+    torch_names, _ = load()
+    names = sorted((e for e in torch_names if _group(e["torch"]) in FSDP_GROUPS), key=lambda e: e["torch"])
+    lines = [START, "", "| torch | tfdist | status |", "| --- | --- | --- |"]
+    lines += [_row(e) for e in names]
+    return "\n".join(lines + ["", END])
+
+
+def fsdp_page() -> str:
+    """docs/fsdp.md with its name list rewritten."""
+    text = FSDP_PAGE.read_text()
+    before, rest = text.split(START, 1)
+    after = rest.split(END, 1)[1]
+    return before + render_fsdp_names() + after
+
+
 def main(argv: list[str]) -> int:
-    text = render()
+    outputs = {TABLE: render(), FSDP_PAGE: fsdp_page()}
     if "--check" in argv:
-        if TABLE.read_text() != text:
-            print(f"{TABLE} is out of date: run python docs/migration/make_tables.py")
-            return 1
-        return 0
-    TABLE.write_text(text)
-    print(f"wrote {TABLE}")
+        stale = [str(path) for path, text in outputs.items() if path.read_text() != text]
+        for path in stale:
+            print(f"{path} is out of date: run python docs/migration/make_tables.py")
+        return 1 if stale else 0
+    for path, text in outputs.items():
+        path.write_text(text)
+        print(f"wrote {path}")
     return 0
 
 
