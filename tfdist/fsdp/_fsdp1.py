@@ -66,7 +66,12 @@ class MixedPrecision:
 
 
 class CPUOffload:
-    """``offload_params=True``: every unit's shards live on the host mesh (``CPUOffloadPolicy``)."""
+    """``offload_params=True``: every unit's shards live on the host mesh (``CPUOffloadPolicy``).
+
+    Example::
+
+        model = FullyShardedDataParallel(model, device_mesh=mesh, cpu_offload=CPUOffload(offload_params=True))
+    """
 
     def __init__(self, offload_params: bool = False) -> None:
         self.offload_params = offload_params

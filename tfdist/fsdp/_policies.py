@@ -65,8 +65,16 @@ class OffloadPolicy:
 class CPUOffloadPolicy(OffloadPolicy):
     """Sharded parameters, gradients and optimizer state in host memory (torch's CPU offload).
 
-    ``pin_memory`` is accepted for torch compatibility; TensorFlow manages
-    host staging buffers itself.
+    Between steps the shards live on the device mesh's host mesh; ``fit`` /
+    ``evaluate`` / ``predict`` copy each device's shard in for the step and the
+    gradient shards back, and the optimizer step runs on the host mesh
+    (docs/fsdp.md, "CPU offload").  ``pin_memory`` is accepted for torch
+    compatibility; TensorFlow manages host staging buffers itself.
+
+    Example::
+
+        fully_shard(model, mesh=mesh, offload_policy=CPUOffloadPolicy())
+        model.compile(optimizer="adam", loss="mse"); model.fit(x, y, batch_size=64)
     """
 
     pin_memory: bool = True
