@@ -64,15 +64,59 @@ def gather_lowering_is_collective() -> bool:
     return "LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2" in os.environ  # TF: set = on, any value
 
 
-# TF DTensor's all-reduce combine pass leaves the results it splits out of the
-# combined buffer without a layout; a program that returns one -- the backward
-# of every tf.function under an eager tape, so every pipeline stage's backward --
-# then fails to compile ("missing result layout attribute for function",
-# docs/tf_dtensor_repros/combined_all_reduce_returned_without_layout.py).
-# dtensor_mlir_passes.cc reads the switch by this exact name when the DTensor
-# device builds its pass pipeline (once per process, at its first mesh), so it
-# is set at import.  Measured on keras-hub's Gemma fit on 2x4: no step-time change.
-os.environ.setdefault("DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION", "0")
+# TF DTensor's all-reduce combine pass packs independent all-reduces into one
+# buffer (dtensor_allreduce_combine_optimization.cc).  Each CollectiveReduceV2
+# has a fixed cost (40 small all-reduces of one program: 16 ms against 2 ms
+# packed, 8 virtual CPUs), so a train step with many replicated gradients
+# pays for it.  But the pass is wrong in two kinds of program: it leaves the
+# results it splits out of the buffer without a layout, so a program that
+# returns one -- the backward of every tf.function under an eager tape --
+# fails to compile ("missing result layout attribute for function",
+# docs/tf_dtensor_repros/combined_all_reduce_returned_without_layout.py), and
+# it moves a reduction past a variable write that a later read depends on
+# (docs/tf_dtensor_repros/stale_read_across_calls.py).  Whether the pass is in
+# the pipeline is read once, by exact name, when the DTensor device builds its
+# pass pipeline (dtensor_mlir_passes.cc, DTENSOR_ENABLE_COMBINE_ALL_REDUCES_
+# OPTIMIZATION); how many all-reduces one group may hold is read at every
+# expansion of a function (dtensor_graph_to_mlir_pass.cc, ImportGraphToMlir:
+# AllReduceCombineOptimizationGroupSize(), DTENSOR_ALLREDUCE_COMBINE_
+# OPTIMIZATION_GROUP_SIZE; 0 = no limit), and a group of one is left as it is
+# (CombineAllReduceOps: "A single op has nothing to combine with").  So tfdist
+# puts the pass in the pipeline with groups of one -- no program is combined --
+# and lifts the limit only while it expands a program it knows to be safe
+# (``combined_all_reduces``: Keras train and test steps, which consume their
+# gradients inside the program and read the variables they wrote through
+# tfdist's read-after-write cache).  A user who set either variable keeps TF's
+# behaviour as they set it.
+_COMBINE_PASS = "DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION"
+_COMBINE_GROUP = "DTENSOR_ALLREDUCE_COMBINE_OPTIMIZATION_GROUP_SIZE"
+_SCOPED_COMBINING = _COMBINE_PASS not in os.environ and _COMBINE_GROUP not in os.environ
+if _SCOPED_COMBINING:
+    os.environ[_COMBINE_PASS] = "1"
+    os.environ[_COMBINE_GROUP] = "1"
+
+
+class combined_all_reduces:
+    """While entered, TF DTensor combines the independent all-reduces of each function it expands
+    (the pass above, with no group limit); outside, it combines none.  For programs that return no
+    all-reduced value and whose reads after writes have data edges (see above).  Does nothing where
+    the user chose TF's combine settings, or on TPU meshes (XLA combines there; TF's pass skips
+    them).  Not thread safe: the setting is the process environment.
+
+    Example::
+
+        with combined_all_reduces():
+            logs = train_step_program(batch)   # its first call expands it: combined
+    """
+
+    def __enter__(self) -> "combined_all_reduces":
+        if _SCOPED_COMBINING:
+            os.environ[_COMBINE_GROUP] = "0"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if _SCOPED_COMBINING:
+            os.environ[_COMBINE_GROUP] = "1"
 
 
 def normalize_device_type(device_type: str) -> str:

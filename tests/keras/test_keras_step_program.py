@@ -116,23 +116,12 @@ def test_fit_step_runs_no_more_compute_or_communication_than_the_hand_written_st
 
 @pytest.mark.parametrize("kind", ["data_parallel", "tensor_parallel"])
 def test_fit_step_slices_every_gradient_out_of_the_combined_all_reduce_aligned(kind):
-    """With TF DTensor's all-reduce combining switched back on (DTENSOR_ENABLE_COMBINE_ALL_REDUCES_
-    OPTIMIZATION=1 before importing tfdist; tfdist turns it off, docs/design.md), TF packs independent
-    all-reduces into one flat buffer and slices each tensor back out; a slice that starts off a 64-byte
-    boundary is a copy (TF shares aligned ones).  Keras' mean loss, reduced as a sum, would lead that
-    buffer as one float and shift every gradient by 4 bytes; tfdist reduces it as a mean (its own
-    all-reduce), so with layer sizes that are multiples of 16 floats every gradient starts aligned.
-    The switch is read once per process: the check runs in a fresh interpreter."""
-    if os.environ.get("DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION") != "1":
-        env = {**os.environ, "DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION": "1", "TF_CPP_MIN_LOG_LEVEL": "3"}
-        root = pathlib.Path(__file__).parents[2]
-        test_id = (f"{pathlib.Path(__file__).relative_to(root).as_posix()}::"
-                   f"test_fit_step_slices_every_gradient_out_of_the_combined_all_reduce_aligned[{kind}]")
-        args = ["-q", "-p", "no:cacheprovider", "-m", "slow or not slow", test_id]
-        out = subprocess.run([sys.executable, "-m", "pytest", *args], capture_output=True, text=True, env=env,
-                             timeout=600, cwd=root)
-        assert out.returncode == 0 and "1 passed" in out.stdout, out.stdout[-3000:] + out.stderr[-2000:]
-        return
+    """TF DTensor packs a fit step's independent all-reduces into one flat buffer (its combine pass,
+    which tfdist enables for Keras' train and test steps, docs/design.md) and slices each tensor back
+    out; a slice that starts off a 64-byte boundary is a copy (TF shares aligned ones).  Keras' mean
+    loss, reduced as a sum, would lead that buffer as one float and shift every gradient by 4 bytes;
+    tfdist reduces it as a mean (its own all-reduce), so with layer sizes that are multiples of 16
+    floats every gradient starts aligned."""
     if kind == "data_parallel":
         distribution = keras.distribution.DataParallel()
         grads = {"up/kernel": 16 * 64, "up/bias": 64, "down/kernel": 64 * 16, "down/bias": 16}

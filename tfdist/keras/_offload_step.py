@@ -136,7 +136,7 @@ def _host_apply(model: Any, variables: list[Any], run_eagerly: bool) -> Callable
     return apply if run_eagerly else tf.function(apply)
 
 
-def offloaded_steps(model: Any, step_function: Callable, split: Callable[[Callable], Callable],
+def offloaded_steps(model: Any, step_function: Callable, split: Callable[..., Callable],
                     mesh: Any, batch_axis: int | None) -> Callable:
     """``step(data, splits_evenly=None)`` for an offloaded model: copies in, the device program
     (``split`` of it: tfdist's per-batch-split traced step), and for training the host step."""
@@ -145,7 +145,7 @@ def offloaded_steps(model: Any, step_function: Callable, split: Callable[[Callab
         step_function == model.train_step)
     if training:
         _check_split(model, variables)
-        device_step = split(_train_program(model, variables))
+        device_step = split(_train_program(model, variables), combine=False)  # it returns gradients
         apply = _host_apply(model, variables, model.run_eagerly)
     else:
         device_step, apply = split(_read_program(step_function, variables)), None

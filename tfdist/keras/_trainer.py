@@ -23,7 +23,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdist import _patches, _registry
+from tfdist import _patches, _registry, _runtime
 from tfdist.device_mesh import DeviceMesh
 from tfdist.keras import _data, _offload_step, _variables
 from tfdist.keras._backend import tfdist_mesh
@@ -248,7 +248,8 @@ def _warn_jit_compile(model, mesh) -> None:
         "device, and on TPU meshes, XLA compiles it.", UserWarning, stacklevel=4)
 
 
-def _through_concrete(function, tracing=contextlib.nullcontext, calling=contextlib.nullcontext):
+def _through_concrete(function, tracing=contextlib.nullcontext, calling=contextlib.nullcontext,
+                      combine: bool = False):
     """``function`` (a ``tf.function`` of one batch) called through the concrete function
     traced for each batch signature, on its flat tensors (``_flat_caller``).
     ``tf.function``'s own per-call lookup matches the DTensor arguments' trace types against
@@ -256,24 +257,55 @@ def _through_concrete(function, tracing=contextlib.nullcontext, calling=contextl
     benchmarks/compare.py, 1.3 against 1.0 ms of dispatch CPU); a dict lookup on shapes does
     not.  A new signature goes through ``function`` once, which traces or relaxes as usual,
     inside ``tracing()`` (``loss_parallel``: what the traced program computes is fixed then,
-    so a traced program's call does not enter it again)."""
+    so a traced program's call does not enter it again).  ``combine``: TF DTensor combines
+    the independent all-reduces of each program (``_combining``)."""
     concrete: dict = {}
+    unkeyed = _combining(function) if combine else function
 
     def call(data):
         try:
             key = _signature(data)
         except _Unkeyed:
             with tracing():
-                return function(data)
+                return unkeyed(data)
         program = concrete.get(key)
         if program is None:
             with tracing():
-                program = concrete[key] = _flat_caller(function.get_concrete_function(data), data)
+                program = _flat_caller(function.get_concrete_function(data), data)
+                program = concrete[key] = _combining(program) if combine else program
         with calling():
             return program(data)
 
     call.__wrapped__ = function
     call.programs = concrete  # batch signature -> how its step is called (for inspection)
+    return call
+
+
+# what TF DTensor says of a combined all-reduce a program returns
+# (docs/tf_dtensor_repros/combined_all_reduce_returned_without_layout.py)
+_UNCOMBINABLE = "missing result layout attribute"
+
+
+def _combining(run):
+    """``run(data)`` with TF DTensor's all-reduce combining on while it expands a program
+    (``_runtime.combined_all_reduces``): a train step's replicated gradients leave in one
+    all-reduce instead of one each (W2 of benchmarks/compare.py: 51 all-reduces per device
+    per step become 14).  TF refuses to combine a program that returns an all-reduced value
+    -- it fails to compile, before anything runs -- and such a program is expanded again
+    uncombined, once, and from then on called without combining."""
+    combine = [True]
+
+    def call(data):
+        if combine[0]:
+            try:
+                with _runtime.combined_all_reduces():
+                    return run(data)
+            except tf.errors.UnknownError as error:
+                if _UNCOMBINABLE not in str(error):
+                    raise
+                combine[0] = False
+        return run(data)
+
     return call
 
 
@@ -294,9 +326,10 @@ def _tracing_scope():
         yield
 
 
-def _by_batch_split(step_function, run_eagerly: bool, mesh, batch_axis):
+def _by_batch_split(step_function, run_eagerly: bool, mesh, batch_axis, combine: bool = False):
     """``step_function`` on sharded batches; a batch that does not split evenly over the
     data-parallel dim runs replicated (``replicated_batch``) in its own traced function.
+    ``combine``: its programs' independent all-reduces are combined (``_combining``).
 
     The even steps may relax their batch dim (``reduce_retracing``); the partial
     ones keep a static size, so a partial batch never meets a program traced for
@@ -309,7 +342,7 @@ def _by_batch_split(step_function, run_eagerly: bool, mesh, batch_axis):
         even, partial = (_loss_parallel(f) for f in traced)
     else:
         calling = _program_options(mesh)
-        even, partial = (_through_concrete(f, _tracing_scope, calling) for f in traced)
+        even, partial = (_through_concrete(f, _tracing_scope, calling, combine) for f in traced)
 
     def step(data, splits_evenly=None):
         """One step on ``data``: host batches, or batches ``BatchFeed`` placed (then pass
@@ -326,12 +359,14 @@ def _by_batch_split(step_function, run_eagerly: bool, mesh, batch_axis):
     return step
 
 
-def _steps(model, step_function, mesh, batch_axis):
+def _steps(model, step_function, mesh, batch_axis, combine: bool = False):
     """``step(data, splits_evenly=None)`` running ``step_function``: as a program on the mesh, or,
     for a model with parameters offloaded to the host mesh, around such a program
-    (``_offload_step``)."""
-    def split(function):
-        return _by_batch_split(function, model.run_eagerly, mesh, batch_axis)
+    (``_offload_step``).  ``combine``: the program's independent all-reduces are combined
+    (train and test steps; not predict's, whose outputs may be all-reduced values, nor an
+    offloaded step's device program, which returns its gradients)."""
+    def split(function, combine=combine):
+        return _by_batch_split(function, model.run_eagerly, mesh, batch_axis, combine)
 
     if _offload_step.offloaded_variables(model):
         return _offload_step.offloaded_steps(model, step_function, split, mesh, batch_axis)
@@ -351,7 +386,7 @@ def install() -> None:
         check_layout_map(self)
         mesh, batch_axis = mesh_of(self)
         _warn_jit_compile(self, mesh)
-        one_step = _steps(self, step_function, mesh, batch_axis)
+        one_step = _steps(self, step_function, mesh, batch_axis, combine=True)
         feeds = {}  # the feed of the epoch iterator Keras passes (one, reused while Keras reuses it)
 
         def function(iterator):
