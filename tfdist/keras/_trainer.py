@@ -289,8 +289,8 @@ _UNCOMBINABLE = "missing result layout attribute"
 def _combining(run):
     """``run(data)`` with TF DTensor's all-reduce combining on while it expands a program
     (``_runtime.combined_all_reduces``): a train step's replicated gradients leave in one
-    all-reduce instead of one each (W2 of benchmarks/compare.py: 51 all-reduces per device
-    per step become 14).  TF refuses to combine a program that returns an all-reduced value
+    all-reduce instead of one each (W2 of benchmarks/compare.py: 50 all-reduces per device
+    per step become 13).  TF refuses to combine a program that returns an all-reduced value
     -- it fails to compile, before anything runs -- and such a program is expanded again
     uncombined, once, and from then on called without combining."""
     combine = [True]
