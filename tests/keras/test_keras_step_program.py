@@ -234,9 +234,12 @@ def test_concrete_programs_are_called_on_flat_tensors_with_their_captures_up_to_
     assert all(isinstance(p, ConcreteFunction) for p in late_call.programs.values())
 
 
-def _executed_op_counts(run) -> collections.Counter:
-    """Op types of the partition graphs TF executed while ``run()`` ran (after Grappler)."""
-    return collections.Counter(node.op for graph in partition_graphs(run) for node in graph.node)
+def _executed_op_counts(run, scope: str | None = None) -> collections.Counter:
+    """Op types of the partition graphs TF executed while ``run()`` ran (after Grappler); with
+    ``scope``, of those holding a node of that name scope (TF's run metadata may also hold
+    functions an earlier test instantiated)."""
+    graphs = [g for g in partition_graphs(run) if scope is None or any(scope in n.name for n in g.node)]
+    return collections.Counter(node.op for graph in graphs for node in graph.node)
 
 
 def _matmuls(counts: collections.Counter) -> tuple[int, int]:
@@ -260,7 +263,7 @@ def test_cpu_mesh_step_programs_skip_grappler_while_plain_code_keeps_it():
     model = _mlp()
     model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
     before = context.context().function_call_options
-    distributed = _executed_op_counts(lambda: model.fit(X, Y, batch_size=64, epochs=1, verbose=0))
+    distributed = _executed_op_counts(lambda: model.fit(X, Y, batch_size=64, epochs=1, verbose=0), model.name)
     plain_matmuls, fused_matmuls = _matmuls(distributed)
     assert plain_matmuls > 0 and fused_matmuls == 0, distributed
     assert context.context().function_call_options is before  # the thread's options are back

@@ -22,6 +22,7 @@ from typing import Any
 import keras
 import numpy as np
 import tensorflow as tf
+from tensorflow.experimental import dtensor
 
 from tfdist import _patches, _registry, _runtime
 from tfdist.device_mesh import DeviceMesh
@@ -286,6 +287,27 @@ def _through_concrete(function, tracing=contextlib.nullcontext, calling=contextl
 _UNCOMBINABLE = "missing result layout attribute"
 
 
+# What combining trades, measured on 8 virtual CPUs (docs/design.md, "TF DTensor's all-reduce
+# combining"): each all-reduce a step saves costs a fixed ~0.35 ms; packing costs the copies of
+# every gradient into the buffer, ~1.2 ms per MB held per device (W1's 8.4 MB data-parallel
+# gradients, 4 all-reduces: 1.2-1.4x slower combined; W2's GPT, 0.45 MB in 37: 0.85x).
+_ALL_REDUCE_MS = 0.35
+_PACKING_MS_PER_MB = 1.2
+
+
+def combining_pays(model: Any) -> bool:
+    """Whether packing ``model``'s gradient reductions into one all-reduce saves more than the
+    packing costs: one reduction per trainable variable, against the bytes each device holds of
+    them (a variable's shard, by its layout)."""
+    variables = [v for v in model.trainable_variables if _variables.is_dtensor_variable(v)]
+    held = 0
+    for variable in variables:
+        layout = _variables.layout_of(variable._value)
+        shards = int(np.prod([layout.mesh.dim_size(d) for d in layout.sharding_specs if d != dtensor.UNSHARDED]))
+        held += int(np.prod(variable.shape)) * variable._value.dtype.size // max(shards, 1)
+    return _ALL_REDUCE_MS * (len(variables) - 1) > _PACKING_MS_PER_MB * held / 2**20
+
+
 def _combining(run):
     """``run(data)`` with TF DTensor's all-reduce combining on while it expands a program
     (``_runtime.combined_all_reduces``): a train step's replicated gradients leave in one
@@ -386,7 +408,7 @@ def install() -> None:
         check_layout_map(self)
         mesh, batch_axis = mesh_of(self)
         _warn_jit_compile(self, mesh)
-        one_step = _steps(self, step_function, mesh, batch_axis, combine=True)
+        one_step = _steps(self, step_function, mesh, batch_axis, combine=combining_pays(self))
         feeds = {}  # the feed of the epoch iterator Keras passes (one, reused while Keras reuses it)
 
         def function(iterator):
