@@ -103,8 +103,8 @@ def test_virtual_cpus_keeps_large_blocks_mmapped():
 
 def test_eager_gradient_of_a_dtensor_function_with_two_all_reduces_compiles():
     """TF's all-reduce combine pass leaves a returned gradient without a layout (the backward of a
-    tf.function under an eager tape failed to compile); tfdist switches that pass off at import. The
-    gradients equal numpy's."""
+    tf.function under an eager tape failed to compile); tfdist limits its groups to one all-reduce
+    outside Keras' train and test steps. The gradients equal numpy's."""
     import numpy as np
     import tensorflow as tf
     from tensorflow.experimental import dtensor
@@ -125,6 +125,33 @@ def test_eager_gradient_of_a_dtensor_function_with_two_all_reduces_compiles():
     g1, g2 = (dtensor.unpack(g)[0].numpy() for g in tape.gradient(loss, [w1, w2]))
     np.testing.assert_allclose(g1, xs.T @ np.ones((16, 4)), rtol=1e-12)
     np.testing.assert_allclose(g2, xs.T @ (1 - np.tanh(xs @ b) ** 2), rtol=1e-12)
+
+
+_GROUP_IN_AND_OUT_OF_SCOPE = (
+    "import os, tfdist\n"
+    "from tfdist._runtime import combined_all_reduces\n"
+    "group = 'DTENSOR_ALLREDUCE_COMBINE_OPTIMIZATION_GROUP_SIZE'\n"
+    "with combined_all_reduces():\n"
+    "    inside = os.environ[group]\n"
+    "print('GROUP', os.environ['DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION'], inside, os.environ[group])")
+
+
+def _combine_settings_in_a_child(**env: str) -> list[str]:
+    out = subprocess.run([sys.executable, "-c", _GROUP_IN_AND_OUT_OF_SCOPE], capture_output=True, text=True,
+                         env={**ENV, **env}, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.split("GROUP", 1)[1].split()
+
+
+def test_a_process_started_from_a_tfdist_process_still_combines_keras_steps():
+    """A child (an xdist worker, a launched client) inherits the combine settings tfdist wrote in
+    its parent; it must not take them for the user's choice, which would leave TF's groups at one
+    all-reduce inside Keras' steps too.  A value the user sets in the child is kept as set."""
+    assert ENV["DTENSOR_ALLREDUCE_COMBINE_OPTIMIZATION_GROUP_SIZE"] == "1"  # what this process's tfdist wrote
+    # pass on; no group limit while a Keras step is expanded (0), groups of one outside it
+    assert _combine_settings_in_a_child() == ["1", "0", "1"]
+    assert _combine_settings_in_a_child(DTENSOR_ALLREDUCE_COMBINE_OPTIMIZATION_GROUP_SIZE="4") == ["1", "4", "4"]
+    assert _combine_settings_in_a_child(DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION="0") == ["0", "1", "1"]
 
 
 def _intra_op_threads(setup: str, **env: str) -> int:

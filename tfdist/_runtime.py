@@ -87,13 +87,29 @@ def gather_lowering_is_collective() -> bool:
 # (``combined_all_reduces``: Keras train and test steps, which consume their
 # gradients inside the program and read the variables they wrote through
 # tfdist's read-after-write cache).  A user who set either variable keeps TF's
-# behaviour as they set it.
+# behaviour as they set it.  tfdist's own values are recorded beside them
+# (``_COMBINE_OWNER``), so a process started from a tfdist process -- an
+# xdist worker, a launched client -- which inherits them does not take them
+# for the user's choice and combine nothing.
 _COMBINE_PASS = "DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION"
 _COMBINE_GROUP = "DTENSOR_ALLREDUCE_COMBINE_OPTIMIZATION_GROUP_SIZE"
-_SCOPED_COMBINING = _COMBINE_PASS not in os.environ and _COMBINE_GROUP not in os.environ
-if _SCOPED_COMBINING:
+_COMBINE_OWNER = "TFDIST_SET_DTENSOR_COMBINE"  # "<pass>,<group>" as tfdist last wrote them
+
+
+def _combine_settings() -> str:
+    return f"{os.environ.get(_COMBINE_PASS)},{os.environ.get(_COMBINE_GROUP)}"
+
+
+def _set_combine_group(size: str) -> None:
     os.environ[_COMBINE_PASS] = "1"
-    os.environ[_COMBINE_GROUP] = "1"
+    os.environ[_COMBINE_GROUP] = size
+    os.environ[_COMBINE_OWNER] = _combine_settings()
+
+
+_SCOPED_COMBINING = (os.environ.get(_COMBINE_OWNER) == _combine_settings()
+                     or (_COMBINE_PASS not in os.environ and _COMBINE_GROUP not in os.environ))
+if _SCOPED_COMBINING:
+    _set_combine_group("1")
 
 
 class combined_all_reduces:
@@ -111,12 +127,12 @@ class combined_all_reduces:
 
     def __enter__(self) -> "combined_all_reduces":
         if _SCOPED_COMBINING:
-            os.environ[_COMBINE_GROUP] = "0"
+            _set_combine_group("0")
         return self
 
     def __exit__(self, *exc: object) -> None:
         if _SCOPED_COMBINING:
-            os.environ[_COMBINE_GROUP] = "1"
+            _set_combine_group("1")
 
 
 def normalize_device_type(device_type: str) -> str:
