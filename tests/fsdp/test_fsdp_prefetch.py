@@ -103,8 +103,13 @@ class Program:
 
 
 def assert_values(program):
+    """The gradients equal one device's.  Both are float32 sums over the batch, added in another
+    order on the mesh: an entry's error follows the size of the terms summed, not its own, so the
+    absolute tolerance scales with the gradient's largest entry (on an AMD EPYC host without
+    AVX-512: 1.5e-5 off on entries of 0.1 that sit beside entries of 32)."""
     for a, b in zip(sum_sq_grads(make(), X), program.grads):
-        np.testing.assert_allclose(gather_to_numpy(b), a.numpy(), rtol=1e-5, atol=1e-5)
+        expected = a.numpy()
+        np.testing.assert_allclose(gather_to_numpy(b), expected, rtol=1e-5, atol=1e-6 * np.abs(expected).max())
 
 
 def test_by_default_each_gather_waits_for_its_layer():
