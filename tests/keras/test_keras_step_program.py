@@ -33,10 +33,10 @@ LR = 0.1
 HEAVY = ("MatMul", "BatchMatMulV2", "Einsum", "Conv2D")
 
 
-def _mlp():
+def _mlp(name: str | None = None):
     keras.utils.set_random_seed(0)
     return keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu", name="up"),
-                             keras.layers.Dense(8, name="down")])
+                             keras.layers.Dense(8, name="down")], name=name)
 
 
 def _fit_one_step(distribution):
@@ -236,8 +236,10 @@ def test_concrete_programs_are_called_on_flat_tensors_with_their_captures_up_to_
 
 def _executed_op_counts(run, scope: str | None = None) -> collections.Counter:
     """Op types of the partition graphs TF executed while ``run()`` ran (after Grappler); with
-    ``scope``, of those holding a node of that name scope (TF's run metadata may also hold
-    functions an earlier test instantiated)."""
+    ``scope``, of those holding a node of that name scope, which must be the program's own: TF's
+    run metadata may also hold graphs an earlier test instantiated, and Keras' automatic model
+    names repeat across tests (an earlier test's ``sequential_1``, its step called with Grappler's
+    fused matmuls, made the CPU-mesh test below fail when other files ran first)."""
     graphs = [g for g in partition_graphs(run) if scope is None or any(scope in n.name for n in g.node)]
     return collections.Counter(node.op for graph in graphs for node in graph.node)
 
@@ -260,7 +262,7 @@ def test_cpu_mesh_step_programs_skip_grappler_while_plain_code_keeps_it():
     keras.distribution.set_distribution(keras.distribution.ModelParallel(
         layout_map=keras.distribution.LayoutMap(keras.distribution.DeviceMesh((2, 4), ["batch", "model"])),
         batch_dim_name="batch"))
-    model = _mlp()
+    model = _mlp("grappler_probe")
     model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
     before = context.context().function_call_options
     distributed = _executed_op_counts(lambda: model.fit(X, Y, batch_size=64, epochs=1, verbose=0), model.name)

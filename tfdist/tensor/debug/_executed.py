@@ -54,8 +54,10 @@ def combined_all_reduce_pieces(program) -> list[tuple[str, int, int]]:
 
 
 def partition_graphs(run) -> list:
-    """The per-device graphs TF ran for ``run()`` after its graph optimisations (``GraphDef``s from
-    the eager context's run metadata); a function instantiated before ``run`` is not among them."""
+    """The per-device graphs TF instantiated while ``run()`` ran, after its graph optimisations
+    (``GraphDef``s from the eager context's run metadata); a function instantiated before ``run``
+    and only called again is not among them. The metadata may also hold graphs of other programs
+    TF instantiated earlier in the process: pick a program's own by a name scope only it has."""
     ctx = context.context()
     ctx.enable_run_metadata()
     try:
