@@ -6,7 +6,8 @@ The base commit is checked out into a temporary git worktree; each round runs ev
 from each tree (base first in odd rounds, this tree first in even ones), in fresh processes that
 import tfdist from their own tree.  compare.py's worker times the steady steps of Keras ``fit`` and
 reports its losses; the two trees' losses must agree (the change kept the computation), and each
-program's ratio is the median over rounds of this tree's step time over the base's.  Machine state
+program's ratio is the median over rounds of this tree's step time over the base's (``first_ratio``:
+the same for the first step, trace and compile included).  Machine state
 moves absolute times between runs (the same commit measured days apart differs by 2-3x here), so
 only the interleaved ratio speaks.  Writes ``results/before_after_<base>.json`` and prints a table.
 """
@@ -72,18 +73,24 @@ def main() -> None:
     rows = []
     for (program, workload), sides in runs.items():
         ratios = [h["step_ms"] / b["step_ms"] for b, h in zip(sides["base"], sides["head"])]
+        first = [h["first_step_s"] / b["first_step_s"] for b, h in zip(sides["base"], sides["head"])]
         rows.append({
             "program": program, "workload": workload,
             "base_ms": round(statistics.median(r["step_ms"] for r in sides["base"]), 1),
             "head_ms": round(statistics.median(r["step_ms"] for r in sides["head"]), 1),
             "ratio": round(statistics.median(ratios), 3),
             "ratio_range": [round(min(ratios), 3), round(max(ratios), 3)],
+            "base_first_s": round(statistics.median(r["first_step_s"] for r in sides["base"]), 2),
+            "head_first_s": round(statistics.median(r["first_step_s"] for r in sides["head"]), 2),
+            "first_ratio": round(statistics.median(first), 3),
+            "first_ratio_range": [round(min(first), 3), round(max(first), 3)],
             "same_losses": all(_same_losses(b, h) for b, h in zip(sides["base"], sides["head"])),
         })
     path = write_results(f"before_after_{base}", rows, {
         "command": "python benchmarks/before_after.py " + " ".join(sys.argv[1:]),
         "base": base, "head": head, "rounds": args.rounds})
-    print_table(rows, ["program", "workload", "base_ms", "head_ms", "ratio", "ratio_range", "same_losses"])
+    print_table(rows, ["program", "workload", "base_ms", "head_ms", "ratio", "ratio_range", "base_first_s",
+                       "head_first_s", "first_ratio", "first_ratio_range", "same_losses"])
     print(f"wrote {path}")
 
 

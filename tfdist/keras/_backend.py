@@ -111,12 +111,35 @@ def mesh_variables_exist() -> bool:
     return _mesh_variables_made
 
 
-def new_dvariable(value: Any, layout: Any, **kwargs: Any) -> dtensor.DVariable:
+# The name every eager VarHandleOp tfdist runs on a mesh carries (its trailing "/" makes the scope
+# absolute, so Keras' layer scopes do not enter it either). TF DTensor keys its cache of lowered
+# eager ops by every attribute of the op (``ExecutableManager<T>::CacheKeyForGraph``,
+# tensorflow/dtensor/cc/dtensor_device_util.h: ``SerializeToStringDeterministic(attributes, ...)``),
+# and VarHandleOp's ``debug_name`` is the variable's name: each variable of a new name had its
+# handle op SPMD-expanded again, 15-37 ms against 2-3 ms for a cached one on 8 virtual CPUs -- 74
+# Adam slots of W2's GPT took 2.2 s of its first step (docs/performance.md).
+_HANDLE_SCOPE = "tfdist_variable/"
+
+
+def new_dvariable(value: Any, layout: Any, name: str | None = None, **kwargs: Any) -> dtensor.DVariable:
     """``value`` laid out by ``layout`` as the DVariable a Keras variable keeps (every such variable
-    is made here)."""
+    is made here), named ``name`` as ``tf.Variable`` names it, its handle op one TF DTensor has
+    lowered before for the same shape, dtype and layout."""
     global _mesh_variables_made
     _mesh_variables_made = True
-    return dtensor.DVariable(distribute_tensor(value, layout), **kwargs)
+    value = distribute_tensor(value, layout)
+    with tf.init_scope():
+        eager = tf.executing_eagerly()
+    if not eager:  # a graph variable's shared_name is its name: it must stay its own
+        return dtensor.DVariable(value, name=name, **kwargs)
+    from tensorflow.python.framework import ops
+
+    with ops.name_scope(name, "Variable", skip_on_eager=False) as scope:
+        handle_name = ops.name_from_scope_name(scope)  # what tf.Variable would call it here
+    variable = dtensor.DVariable(value, name=_HANDLE_SCOPE, **kwargs)
+    variable._handle_name = handle_name + ":0"
+    variable._unique_id = f"{handle_name}_{ops.uid()}"
+    return variable
 
 
 def _distribute_variable(value: Any, layout: Any) -> dtensor.DVariable:
