@@ -17,6 +17,7 @@ import numpy as np
 import tensorflow as tf
 from keras.src.distribution import distribution_lib
 from tensorflow.experimental import dtensor
+from tensorflow.python.framework import ops
 
 from tfdist import _patches, _runtime
 from tfdist.device_mesh import DeviceMesh
@@ -128,14 +129,12 @@ def new_dvariable(value: Any, layout: Any, name: str | None = None, **kwargs: An
     global _mesh_variables_made
     _mesh_variables_made = True
     value = distribute_tensor(value, layout)
-    with tf.init_scope():
+    with tf.init_scope():  # where tf.Variable makes (and names) a variable, also inside a trace
         eager = tf.executing_eagerly()
+        with ops.name_scope(name, "Variable", skip_on_eager=False) as scope:
+            handle_name = ops.name_from_scope_name(scope)  # what tf.Variable would call it there
     if not eager:  # a graph variable's shared_name is its name: it must stay its own
         return dtensor.DVariable(value, name=name, **kwargs)
-    from tensorflow.python.framework import ops
-
-    with ops.name_scope(name, "Variable", skip_on_eager=False) as scope:
-        handle_name = ops.name_from_scope_name(scope)  # what tf.Variable would call it here
     variable = dtensor.DVariable(value, name=_HANDLE_SCOPE, **kwargs)
     variable._handle_name = handle_name + ":0"
     variable._unique_id = f"{handle_name}_{ops.uid()}"
