@@ -353,3 +353,36 @@ def test_tf_dtensor_xla_spmd_mode_still_runs_unpartitioned_on_a_cpu_mesh():
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 1, out.stdout + out.stderr[-2000:]
     assert "{(16, 64)}" in out.stdout and "0 XLA launches" in out.stdout
+
+
+class _FlipIfNegative(keras.Sequential):
+    """A custom ``train_step`` with a Python ``if`` on a tensor's value: plain Python cannot
+    trace it (TF refuses a graph tensor as a bool); autograph would turn it into a ``tf.cond``.
+    (Autograph stops at Keras' own functions, so the step a user or a library like keras-hub
+    writes is what it converts.)"""
+
+    def train_step(self, data):
+        x, y = data
+        if keras.ops.sum(x) < 0:
+            x = -x
+        return super().train_step((x, y))
+
+
+def _fit_flip_model():
+    model = _FlipIfNegative([keras.Input((16,)), keras.layers.Dense(8)])
+    model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
+    return model.fit(X, Y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+
+
+def test_step_runs_the_models_python_as_keras_traces_it():
+    """Keras' TF trainer traces its step with autograph off (``do_not_convert``), so a custom
+    step's Python ``if`` on a tensor fails on one device; on a mesh it fails the same way (with
+    autograph on, tfdist's step converted it and trained)."""
+    keras.distribution.set_distribution(None)
+    with pytest.raises(tf.errors.OperatorNotAllowedInGraphError) as one_device:
+        _fit_flip_model()
+    keras.distribution.set_distribution(keras.distribution.DataParallel(
+        device_mesh=keras.distribution.DeviceMesh((8,), ["batch"])))
+    with pytest.raises(tf.errors.OperatorNotAllowedInGraphError) as on_mesh:
+        _fit_flip_model()
+    assert "bool" in str(one_device.value) and "bool" in str(on_mesh.value)

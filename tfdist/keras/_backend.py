@@ -106,6 +106,25 @@ def _distribute_one(tensor: Any, layout: Any) -> tf.Tensor:
 _mesh_variables_made = False
 
 
+def traced_like_keras(function: Any, **options: Any) -> Any:
+    """``tf.function(function)`` as Keras' TF backend traces a step: without autograph.
+
+    Keras wraps its step in ``tf.autograph.experimental.do_not_convert``
+    (``TensorFlowTrainer._make_function``), so a model's Python runs as Python when traced.
+    With autograph on, a tfdist step would convert every function it reaches outside TF's and
+    Keras' own modules (keras-hub's ``train_step`` and ``__call__``, a user's model): slower
+    to trace (keras-hub's Gemma step: 3.5 against 2.3 s) and a different language, where a
+    Python ``if`` on a tensor works on a mesh and fails on one device.  (A layer called
+    eagerly is another matter: Keras runs it as eager Python, where such an ``if`` works, so
+    tfdist's traced eager calls keep autograph; ``_eager_calls``.)
+
+    Example::
+
+        step = traced_like_keras(model.train_step, reduce_retracing=True)
+    """
+    return tf.function(function, autograph=False, **options)
+
+
 def mesh_variables_exist() -> bool:
     """tfdist has placed a Keras variable on a mesh in this process.  Until then no layer can hold
     one, and the rows on Keras' call path hand every call to Keras (``_host_tensors``)."""

@@ -35,6 +35,7 @@ from tensorflow.python.ops import resource_variable_ops
 
 from tfdist.fsdp import _offload
 from tfdist.keras import _data, _variables
+from tfdist.keras._backend import traced_like_keras
 
 __all__ = ["offloaded_variables", "offloaded_steps", "device_copies_for_call"]
 
@@ -133,7 +134,7 @@ def _host_apply(model: Any, variables: list[Any], run_eagerly: bool) -> Callable
     def apply(grads):
         optimizer.apply_gradients(zip(grads, variables))
 
-    return apply if run_eagerly else tf.function(apply)
+    return apply if run_eagerly else traced_like_keras(apply)
 
 
 def offloaded_steps(model: Any, step_function: Callable, split: Callable[..., Callable],

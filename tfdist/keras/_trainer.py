@@ -27,7 +27,7 @@ from tensorflow.experimental import dtensor
 from tfdist import _patches, _registry, _runtime
 from tfdist.device_mesh import DeviceMesh
 from tfdist.keras import _data, _offload_step, _variables
-from tfdist.keras._backend import tfdist_mesh
+from tfdist.keras._backend import tfdist_mesh, traced_like_keras
 from tfdist.keras._loss_reduction import mean_loss_reduction
 from tfdist.tensor.parallel.loss import loss_parallel
 from tfdist.tensor.parallel.style import replicated_batch
@@ -358,8 +358,8 @@ def _by_batch_split(step_function, run_eagerly: bool, mesh, batch_axis, combine:
     sharded batches.  Traced steps reduce a mean loss as one mean
     (``_loss_reduction``: the gradients' combined all-reduce stays aligned).
     """
-    traced = (step_function if run_eagerly else tf.function(step_function, reduce_retracing=True),
-              step_function if run_eagerly else tf.function(step_function))
+    traced = (step_function if run_eagerly else traced_like_keras(step_function, reduce_retracing=True),
+              step_function if run_eagerly else traced_like_keras(step_function))
     if run_eagerly:
         even, partial = (_loss_parallel(f) for f in traced)
     else:
