@@ -358,12 +358,11 @@ def _by_batch_split(step_function, run_eagerly: bool, mesh, batch_axis, combine:
     sharded batches.  Traced steps reduce a mean loss as one mean
     (``_loss_reduction``: the gradients' combined all-reduce stays aligned).
     """
-    traced = (step_function if run_eagerly else traced_like_keras(step_function, reduce_retracing=True),
-              step_function if run_eagerly else traced_like_keras(step_function))
     if run_eagerly:
-        even, partial = (_loss_parallel(f) for f in traced)
+        even, partial = _loss_parallel(step_function), _loss_parallel(step_function)
     else:
         calling = _program_options(mesh)
+        traced = traced_like_keras(step_function, reduce_retracing=True), traced_like_keras(step_function)
         even, partial = (_through_concrete(f, _tracing_scope, calling, combine) for f in traced)
 
     def step(data, splits_evenly=None):
