@@ -194,3 +194,44 @@ def test_tf_dtensor_still_fails_on_empty_small_tensors_from_the_bfc_pool():
                              env={**clean, "TF_CPU_ALLOCATOR_USE_BFC": "0"}, timeout=300)
     assert pooled.returncode == 1 and "2 of 2 failed" in pooled.stdout, pooled.stdout + pooled.stderr[-1000:]
     assert default.returncode == 0 and "0 of 2 failed" in default.stdout, default.stdout + default.stderr[-1000:]
+
+
+_FOLDABLE = """
+import sys
+import tensorflow as tf
+{setup}
+tf.config.optimizer.set_experimental_options({{"disable_meta_optimizer": True}})  # as tfdist's CPU-mesh steps
+
+@tf.function
+def f(x):
+    return x + tf.constant(2.0) * tf.constant(3.0)
+
+print("VALUE", f(tf.ones(2)).numpy().tolist())
+"""
+
+
+def _classic_folding(setup: str) -> bool:
+    """Whether TF's classic graph optimizer folded ``2 * 3`` when it instantiated ``f``: its
+    constant folding (tensorflow/core/common_runtime/constant_folding.cc) logs the replacement."""
+    env = {**ENV, "TF_CPP_MIN_LOG_LEVEL": "0", "TF_CPP_VMODULE": "constant_folding=2"}
+    out = subprocess.run([sys.executable, "-c", _FOLDABLE.format(setup=setup)], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "VALUE [7.0, 7.0]" in out.stdout, out.stdout
+    return "Replacing mul :: 0 with a constant" in out.stderr
+
+
+def test_virtual_cpus_instantiates_functions_without_the_classic_graph_optimizer():
+    """Several CPU devices: functions are instantiated at opt_level L0, so no per-device constant
+    folding (docs/design.md); one device keeps TF's default, and so do options set before."""
+    from tensorflow.core.protobuf import config_pb2
+
+    assert not _classic_folding("import tfdist\ntfdist.virtual_cpus(8)")
+    assert _classic_folding("import tfdist\ntfdist.virtual_cpus(1)")
+    chosen = ("from tensorflow.python.eager import context\n"
+              "from tensorflow.core.protobuf import config_pb2\n"
+              "config = config_pb2.ConfigProto()\n"
+              f"config.graph_options.optimizer_options.opt_level = {config_pb2.OptimizerOptions.L1}\n"
+              "context.context()._config = config\n"
+              "import tfdist\ntfdist.virtual_cpus(8)")
+    assert _classic_folding(chosen)
