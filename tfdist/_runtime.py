@@ -162,10 +162,7 @@ def virtual_cpus(n: int = 8) -> list[str]:
     the devices already run their programs side by side, so an op split over every
     core only adds hand-offs (keras-hub's Gemma on 2x4 over 2 cores: steps 20-35% and
     the first epoch 15-30% shorter, docs/performance.md).  An intra-op thread count you set
-    yourself (``tf.config.threading``) is left alone.  And functions are instantiated
-    without TF's classic graph optimizer (``optimizer_options.opt_level = L0``): on a CPU
-    mesh every program is instantiated once per device, and its constant folding and
-    common-subexpression passes then cost more than they save (``_skip_graph_optimizer``).
+    yourself (``tf.config.threading``) is left alone.
 
     Args:
         n: number of logical CPU devices (>= 1).
@@ -205,7 +202,6 @@ def _configure_virtual_cpus(n: int) -> None:
     if n > 1:  # several device threads share this host's malloc (see _malloc)
         _malloc.fix_mmap_threshold()
     _split_cores(n)
-    _skip_graph_optimizer(n)
     cpu = tf.config.list_physical_devices("CPU")[0]
     configured = tf.config.get_logical_device_configuration(cpu)
     if configured is None or len(configured) != n:
@@ -253,37 +249,6 @@ def _split_cores(n: int) -> None:
         tf.config.threading.set_intra_op_parallelism_threads(cpu_threads_per_device(n))
     except RuntimeError:
         pass  # the runtime is up (a repeated virtual_cpus call): its pool stays
-
-
-def _skip_graph_optimizer(n: int) -> None:
-    """Functions are instantiated without TF's classic graph optimizer, when several CPU devices
-    share the host.
-
-    Every function TF instantiates goes, per device, through ``GraphOptimizer`` (constant folding
-    and common-subexpression elimination, up to 10 rounds over the whole graph:
-    ``FunctionLibraryRuntimeImpl::CreateItem`` calls ``optimizer_.Optimize``), with the options
-    the eager context was created with (``graph_options.optimizer_options``, fixed when TF starts
-    its runtime; TF's default ``L1`` turns both passes on).  On a CPU mesh a step program is
-    instantiated once per device, so 8 times on 8 virtual CPUs, and tfdist runs it without
-    Grappler (``keras/_trainer._program_options``); functions that keep Grappler get its own
-    constant folding and arithmetic passes first, which leave these two little to do.  Measured
-    (keras-hub's Gemma on 2x4, alternating processes, docs/performance.md): ``L0`` shortens
-    the first epoch and no step got slower.  Set only before TF starts its runtime and only
-    where nobody gave the context optimizer options of their own."""
-    if _devices_on_host(n) == 1:
-        return  # one device on the host: nothing is instantiated per device; TF's default stays
-    from tensorflow.core.protobuf import config_pb2
-
-    ctx = context.context()
-    if ctx._context_handle is not None:
-        return  # the runtime is up (a repeated virtual_cpus call): its function runtimes keep theirs
-    config = config_pb2.ConfigProto()
-    if ctx._config is not None:
-        if ctx._config.graph_options.HasField("optimizer_options"):
-            return  # options someone chose
-        config.CopyFrom(ctx._config)
-    config.graph_options.optimizer_options.opt_level = config_pb2.OptimizerOptions.L0
-    ctx._config = config
 
 
 def detect_device_type() -> str:
