@@ -386,3 +386,18 @@ def test_step_runs_the_models_python_as_keras_traces_it():
     with pytest.raises(tf.errors.OperatorNotAllowedInGraphError) as on_mesh:
         _fit_flip_model()
     assert "bool" in str(one_device.value) and "bool" in str(on_mesh.value)
+
+
+def test_run_eagerly_on_a_mesh_takes_the_sgd_step_numpy_takes(no_global_distribution):
+    """``run_eagerly=True`` on a mesh runs the step op by op; its loss and weights after one
+    full-batch SGD step match the same step in numpy."""
+    keras.distribution.set_distribution(keras.distribution.DataParallel())
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(8, use_bias=False)])
+    model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse", run_eagerly=True)
+    w0 = model.trainable_variables[0].numpy()
+    history = model.fit(X, Y, batch_size=64, epochs=1, verbose=0, shuffle=False)
+    residual = X @ w0 - Y
+    np.testing.assert_allclose(history.history["loss"][0], np.mean(residual ** 2), rtol=1e-5)
+    want = w0 - LR * 2.0 * X.T @ residual / residual.size
+    np.testing.assert_allclose(model.trainable_variables[0].numpy(), want, rtol=1e-4, atol=1e-6)

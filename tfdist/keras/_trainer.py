@@ -359,6 +359,7 @@ def _by_batch_split(step_function, run_eagerly: bool, mesh, batch_axis, combine:
     (``_loss_reduction``: the gradients' combined all-reduce stays aligned).
     """
     if run_eagerly:
+        traced = None  # nothing is traced: the step runs op by op
         even, partial = _loss_parallel(step_function), _loss_parallel(step_function)
     else:
         calling = _program_options(mesh)
