@@ -162,3 +162,28 @@ def test_quiet_detection():
     assert is_quiet_command(["python", "-m", "tfdist.run", "--nproc-per-node", "2", "train.py"])
     assert not is_quiet_command(["python", "-m", "tfdist.cli", "--verbose", "demo"])
     assert not is_quiet_command(["python", "-c", "import tfdist"])
+
+
+X86_LINUX = sys.platform.startswith("linux") and os.uname().machine in ("x86_64", "AMD64")
+
+
+@pytest.mark.skipif(not X86_LINUX, reason="the launcher turns oneDNN on for CPU jobs on x86-64 Linux only")
+def test_launcher_turns_onednn_on_for_cpu_jobs_unless_the_user_chose():
+    """torchrun sets OMP_NUM_THREADS for its processes; tfdist run sets TF_ENABLE_ONEDNN_OPTS=1
+    for a CPU job (TF turns oneDNN on only on CPUs with AVX512_VNNI/AMX), and keeps a value the
+    user set, and leaves GPU jobs to TF's default."""
+    from tfdist.run import build_parser, client_environments
+
+    def envs(*argv: str, **preset: str) -> list[dict]:
+        saved = {k: os.environ.get(k) for k in (*preset, "TF_ENABLE_ONEDNN_OPTS")}
+        os.environ.pop("TF_ENABLE_ONEDNN_OPTS", None)
+        os.environ.update(preset)
+        try:
+            return client_environments(build_parser().parse_args([*argv, "job.py"]), ["127.0.0.1"])
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+    assert [e["TF_ENABLE_ONEDNN_OPTS"] for e in envs("--nproc-per-node", "2")] == ["1", "1"]
+    assert [e["TF_ENABLE_ONEDNN_OPTS"] for e in envs("--nproc-per-node", "2", TF_ENABLE_ONEDNN_OPTS="0")] == ["0", "0"]
+    assert all("TF_ENABLE_ONEDNN_OPTS" not in e for e in envs("--nproc-per-node", "2", "--device-type", "gpu"))

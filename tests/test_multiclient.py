@@ -69,6 +69,24 @@ def test_dtensor_values_on_every_rank(nproc):
         assert f"[rank {rank}] OK rank {rank} of {nproc} clients, 2 local devices, mesh (2, {nproc})" in out.stdout
 
 
+@pytest.mark.skipif(not (sys.platform.startswith("linux") and os.uname().machine == "x86_64"),
+                    reason="the launcher turns oneDNN on for CPU jobs on x86-64 Linux only")
+@pytest.mark.parametrize("preset,expected", [(None, "oneDNN True TF_ENABLE_ONEDNN_OPTS=1"),
+                                             ("0", "oneDNN False TF_ENABLE_ONEDNN_OPTS=0")])
+def test_launched_cpu_clients_run_tf_with_onednn_unless_the_user_chose(preset, expected):
+    """TF reads TF_ENABLE_ONEDNN_OPTS once, as it loads; a launched client's TF has oneDNN on,
+    whatever the CPU (TF's own default is on only with AVX512_VNNI/AMX), or off as the user set."""
+    env = {k: v for k, v in ENV.items() if k != "TF_ENABLE_ONEDNN_OPTS"}
+    if preset is not None:
+        env["TF_ENABLE_ONEDNN_OPTS"] = preset
+    out = subprocess.run([sys.executable, "-m", "tfdist.run", "--nproc-per-node", "2", "--master-port",
+                          str(free_base_port(2)), str(HERE / "onednn_state.py")],
+                         capture_output=True, text=True, env=env, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for rank in range(2):
+        assert f"[rank {rank}] OK rank {rank}: {expected}" in out.stdout, out.stdout[-3000:]
+
+
 @pytest.mark.parametrize("nproc,mode", [(2, "tp"), (4, "tp"), (2, "fsdp"), (2, "fsdp+tp"), (2, "fsdp+offload"),
                                        (2, "hsdp"), (4, "hsdp")])
 def test_tensor_parallel_fit_across_clients_equals_one_process(tmp_path, nproc, mode):

@@ -4,7 +4,10 @@ Every process gets the multi-client environment TF DTensor reads
 (``DTENSOR_CLIENT_ID``, ``DTENSOR_NUM_CLIENTS``, ``DTENSOR_JOB_NAME``,
 ``DTENSOR_JOBS``) plus torch's names (``RANK``, ``LOCAL_RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``).  Client ``r`` serves on
-port ``master_port + r`` of its node, client 0 being the coordinator.
+port ``master_port + r`` of its node, client 0 being the coordinator.  As torchrun
+sets ``OMP_NUM_THREADS``, a CPU job on x86-64 Linux gets ``TF_ENABLE_ONEDNN_OPTS=1``
+unless the variable is set: TF's oneDNN kernels, which TF itself turns on only on
+CPUs with AVX512_VNNI or AMX (``tfdist/_cpu_kernels.py``).
 
 The launcher prefixes each output line with ``[rank r]``, forwards SIGINT and
 SIGTERM to its children, and when a process fails it stops the others and
@@ -27,6 +30,8 @@ import sys
 import threading
 import time
 from typing import Sequence
+
+from tfdist._cpu_kernels import onednn_default
 
 __all__ = ["main", "build_parser", "client_environments"]
 
@@ -123,6 +128,7 @@ def client_environments(args: argparse.Namespace, nodes: Sequence[str]) -> list[
                 env.pop(key)
         if args.devices_per_proc:
             env["TFDIST_VIRTUAL_CPUS"] = str(args.devices_per_proc)
+        env.update(onednn_default(env, args.device_type))
         if args.device_type == "gpu":
             env["CUDA_VISIBLE_DEVICES"] = str(local_rank)
         envs.append(env)
