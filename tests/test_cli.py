@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from tfdist._cpu_kernels import is_x86_linux
+
 ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
 
 
@@ -164,26 +166,18 @@ def test_quiet_detection():
     assert not is_quiet_command(["python", "-c", "import tfdist"])
 
 
-X86_LINUX = sys.platform.startswith("linux") and os.uname().machine in ("x86_64", "AMD64")
-
-
-@pytest.mark.skipif(not X86_LINUX, reason="the launcher turns oneDNN on for CPU jobs on x86-64 Linux only")
-def test_launcher_turns_onednn_on_for_cpu_jobs_unless_the_user_chose():
+@pytest.mark.skipif(not is_x86_linux(), reason="the launcher turns oneDNN on for CPU jobs on x86-64 Linux only")
+def test_launcher_turns_onednn_on_for_cpu_jobs_unless_the_user_chose(monkeypatch):
     """torchrun sets OMP_NUM_THREADS for its processes; tfdist run sets TF_ENABLE_ONEDNN_OPTS=1
     for a CPU job (TF turns oneDNN on only on CPUs with AVX512_VNNI/AMX), and keeps a value the
     user set, and leaves GPU jobs to TF's default."""
     from tfdist.run import build_parser, client_environments
 
-    def envs(*argv: str, **preset: str) -> list[dict]:
-        saved = {k: os.environ.get(k) for k in (*preset, "TF_ENABLE_ONEDNN_OPTS")}
-        os.environ.pop("TF_ENABLE_ONEDNN_OPTS", None)
-        os.environ.update(preset)
-        try:
-            return client_environments(build_parser().parse_args([*argv, "job.py"]), ["127.0.0.1"])
-        finally:
-            for k, v in saved.items():
-                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    def envs(*argv: str) -> list[dict]:
+        return client_environments(build_parser().parse_args([*argv, "job.py"]), ["127.0.0.1"])
 
+    monkeypatch.delenv("TF_ENABLE_ONEDNN_OPTS", raising=False)
     assert [e["TF_ENABLE_ONEDNN_OPTS"] for e in envs("--nproc-per-node", "2")] == ["1", "1"]
-    assert [e["TF_ENABLE_ONEDNN_OPTS"] for e in envs("--nproc-per-node", "2", TF_ENABLE_ONEDNN_OPTS="0")] == ["0", "0"]
     assert all("TF_ENABLE_ONEDNN_OPTS" not in e for e in envs("--nproc-per-node", "2", "--device-type", "gpu"))
+    monkeypatch.setenv("TF_ENABLE_ONEDNN_OPTS", "0")
+    assert [e["TF_ENABLE_ONEDNN_OPTS"] for e in envs("--nproc-per-node", "2")] == ["0", "0"]

@@ -14,6 +14,8 @@ import time
 import numpy as np
 import pytest
 
+from tfdist._cpu_kernels import is_x86_linux
+
 HERE = pathlib.Path(__file__).parent / "multiclient"
 ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
 pytestmark = pytest.mark.slow
@@ -69,8 +71,7 @@ def test_dtensor_values_on_every_rank(nproc):
         assert f"[rank {rank}] OK rank {rank} of {nproc} clients, 2 local devices, mesh (2, {nproc})" in out.stdout
 
 
-@pytest.mark.skipif(not (sys.platform.startswith("linux") and os.uname().machine == "x86_64"),
-                    reason="the launcher turns oneDNN on for CPU jobs on x86-64 Linux only")
+@pytest.mark.skipif(not is_x86_linux(), reason="the launcher turns oneDNN on for CPU jobs on x86-64 Linux only")
 @pytest.mark.parametrize("preset,expected", [(None, "oneDNN True TF_ENABLE_ONEDNN_OPTS=1"),
                                              ("0", "oneDNN False TF_ENABLE_ONEDNN_OPTS=0")])
 def test_launched_cpu_clients_run_tf_with_onednn_unless_the_user_chose(preset, expected):

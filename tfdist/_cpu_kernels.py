@@ -23,6 +23,11 @@ from typing import Mapping
 ONEDNN = "TF_ENABLE_ONEDNN_OPTS"
 
 
+def is_x86_linux() -> bool:
+    """Whether this host is x86-64 Linux, where tfdist run turns oneDNN on for CPU jobs."""
+    return platform.system() == "Linux" and platform.machine().lower() in ("x86_64", "amd64")
+
+
 def onednn_default(env: Mapping[str, str], device_type: str = "cpu") -> dict[str, str]:
     """What to add to the environment ``env`` of a process tfdist starts, on
     ``device_type`` devices: ``{"TF_ENABLE_ONEDNN_OPTS": "1"}`` for a CPU job on x86-64
@@ -31,8 +36,6 @@ def onednn_default(env: Mapping[str, str], device_type: str = "cpu") -> dict[str
     Example:
         >>> env = dict(os.environ); env.update(onednn_default(env, "cpu"))
     """
-    if ONEDNN in env or device_type.lower() != "cpu":
-        return {}
-    if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
+    if ONEDNN in env or device_type.lower() != "cpu" or not is_x86_linux():
         return {}
     return {ONEDNN: "1"}
