@@ -26,6 +26,7 @@ from tensorflow.experimental import dtensor
 from tfdist.device_mesh import DeviceMesh
 from tfdist.tensor._api import DTensor
 from tfdist.tensor._layout import DTensorSpec, normalize_placements, to_root_placements
+from tfdist.tensor._xla_local import LocalInput, PerDeviceProgram, xla_platform
 from tfdist.tensor.placement_types import Placement, Shard
 
 __all__ = ["local_map"]
@@ -170,6 +171,7 @@ def local_map(
     device_mesh: DeviceMesh | None = None,
     *,
     redistribute_inputs: bool = False,
+    jit_compile: bool = False,
 ) -> Callable:
     """Wraps ``func`` (written for local shards) to take and return DTensors.
 
@@ -182,6 +184,13 @@ def local_map(
         device_mesh: the mesh; default the inputs' mesh.
         redistribute_inputs: redistribute inputs whose placements differ
             from ``in_placements`` (else that is an error).
+        jit_compile: (tfdist) compile ``func`` with XLA for each device: on CPU
+            and GPU meshes it runs as one XLA program per device between the
+            program's collectives, the way ``shard_map`` runs under ``jax.jit``
+            (``tfdist.tensor._xla_local``); on TPU meshes TF DTensor compiles the
+            whole program with XLA anyway.  ``func`` then takes only tensors it
+            is given (no captured symbolic tensors or variables) and returns
+            tensors of static shape.
 
     Returns:
         A function taking DTensors.  Called with no DTensor it just calls
@@ -195,6 +204,9 @@ def local_map(
     """
     if not callable(func):
         raise TypeError(f"func must be callable. Received: func={func!r}")
+    if not isinstance(jit_compile, bool):
+        raise TypeError(f"jit_compile must be True or False. Received: jit_compile={jit_compile!r}")
+    programs: dict = {}  # input signature -> PerDeviceProgram (jit_compile=True)
 
     # tf.vectorized_map converts ``func`` with autograph itself; the plumbing
     # around it must not be converted.
@@ -240,7 +252,8 @@ def local_map(
 
         if any(isinstance(a, DTensor) and (a._spec.uneven_dims or a._spec.multi_dims) for a in prepared) \
                 or _nests_a_dim(out_placements):
-            return _per_device(func, prepared, kwargs, out_placements, mesh)
+            local_func = tf.function(func, jit_compile=True, autograph=False) if jit_compile else func
+            return _per_device(local_func, prepared, kwargs, out_placements, mesh)
         device_dims = sorted({
             m for a in prepared if isinstance(a, DTensor)
             for m, p in enumerate(a._spec.root_placements) if not p.is_replicate()
@@ -255,11 +268,54 @@ def local_map(
                 values.append(a)
                 arg_dims.append(None)
 
-        result = _nested_map(lambda *xs: func(*xs, **kwargs), device_dims, values, arg_dims)
         have = [m for m in device_dims if any(d is not None and m in d for d in arg_dims)]
+        platform = xla_platform(root.device_type) if jit_compile else None
+        if platform is None:
+            result = _nested_map(lambda *xs: func(*xs, **kwargs), device_dims, values, arg_dims)
+        else:
+            result = _compiled_call(func, kwargs, values, arg_dims, have, root, platform, programs)
         return _wrap_outputs(result, out_placements, have, mesh, root)
 
     return wrapped
+
+
+def _compiled_call(func: Callable, kwargs: dict, values: list, arg_dims: list, have: list[int],
+                   root: DeviceMesh, platform: str, programs: dict):
+    """``func`` on the stacked views ``values`` as one XLA program per device (``PerDeviceProgram``),
+    built once per input signature.  Plain tensors among the arguments enter replicated; other
+    arguments (Python values) are fixed into the program."""
+    tensors, specs, places = [], [], []
+    for k, (v, dims) in enumerate(zip(values, arg_dims)):
+        if dims is None and not isinstance(v, (tf.Tensor, tf.Variable)):
+            continue
+        if dims is None:  # a tf.Tensor given as is: the same on every device
+            v = dtensor.copy_to_mesh(tf.convert_to_tensor(v), dtensor.Layout.replicated(root.to_tf(), v.shape.rank))
+            dims = []
+        shape = tuple(v.shape.as_list())
+        tensors.append(v)
+        places.append(k)
+        specs.append(LocalInput(shape, v.dtype, _layout(root, list(dims) + [None] * (len(shape) - len(dims))),
+                                tuple(dims)))
+    try:
+        key = (tuple(specs), tuple(sorted(kwargs.items())), tuple(
+            (k, v) for k, v in enumerate(values) if k not in places))
+        hash(key)
+    except TypeError:
+        key = None  # an unhashable fixed argument: a program per call
+    program = programs.get(key) if key is not None else None
+    if program is None:
+        def local(*xs):
+            args = list(values)
+            for k, x in zip(places, xs):
+                args[k] = x
+            return func(*args, **kwargs)
+
+        program = PerDeviceProgram(
+            local, specs, lambda rank: _layout(root, list(have) + [None] * (rank - len(have))),
+            have, [root.shape[m] for m in have], platform)
+        if key is not None:
+            programs[key] = program
+    return program(*tensors)
 
 
 def _nests_a_dim(out_placements) -> bool:
