@@ -265,3 +265,39 @@ def test_every_keras_optimizer_trains_llama_like_one_device(name):
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-4, atol=1e-4)
     for a, b in zip(ref.get_weights(), lm.get_weights()):
         np.testing.assert_allclose(b, a, atol=5e-4)
+
+
+@pytest.mark.parametrize("family", ["gemma", "llama"])
+def test_data_parallel_jit_compile_compiles_each_devices_forward_and_trains_like_one_device(family):
+    """``jit_compile=True`` under DataParallel: each device's forward and backward of keras-hub's
+    model run as XLA programs (tfdist/keras/_compiled_forward.py); the reference is Keras on one
+    device with jit_compile=True (XLA)."""
+    import collections
+
+    from tfdist.keras import _data as feed
+    from tfdist.keras._trainer import mesh_of
+
+    backbone_cls, lm_cls, kwargs = _families()[family]
+
+    def train():
+        keras.utils.set_random_seed(0)
+        lm = lm_cls(backbone=backbone_cls(**COMMON, **kwargs), preprocessor=None)
+        lm.compile(optimizer=DenseAdam(1e-2), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                   jit_compile=True)
+        x, y = _data()
+        return lm, lm.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False).history["loss"]
+
+    ref, ref_losses = train()
+    keras.distribution.set_distribution(keras.distribution.DataParallel(
+        device_mesh=keras.distribution.DeviceMesh((8,), ["batch"])))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lm, losses = train()
+    assert not [w for w in caught if "jit_compile" in str(w.message)]
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
+    for a, b in zip(ref.get_weights(), lm.get_weights()):
+        np.testing.assert_allclose(b, a, atol=1e-4)
+    mesh, batch_axis = mesh_of(lm)
+    program = lm.train_function.one_step.traced[0].get_concrete_function(feed.shard_batch(_data(), mesh, batch_axis))
+    ops = collections.Counter(op.type for op in program.graph.get_operations())
+    assert ops["XlaCallModule"] == 2 and not ops["MatMul"] and not ops["Einsum"] and not ops["BatchMatMulV2"]

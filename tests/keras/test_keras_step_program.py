@@ -321,26 +321,6 @@ def test_tf_dtensor_still_refuses_a_callee_kept_out_of_inlining():
     assert out.stdout.count("cluster does not have mesh attribute") == 3, out.stdout
 
 
-def test_jit_compile_true_on_a_cpu_mesh_is_said_and_trains_like_one_device():
-    """Keras' jit_compile=True cannot compile a DTensor step on CPU/GPU (TF inlines it away):
-    a warning says so, as Keras does for a model that does not support XLA; the values are one
-    device's. "auto" resolves to False on a host without accelerators, on a mesh as on one device."""
-    keras.distribution.set_distribution(None)
-    ref = _mlp()
-    ref.compile(optimizer=keras.optimizers.SGD(LR), loss="mse", jit_compile=True)
-    ref_loss = ref.fit(X, Y, batch_size=16, epochs=2, verbose=0, shuffle=False).history["loss"]
-    keras.distribution.set_distribution(keras.distribution.DataParallel(
-        device_mesh=keras.distribution.DeviceMesh((8,), ["batch"])))
-    model = _mlp()
-    model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse", jit_compile=True)
-    with pytest.warns(UserWarning, match="jit_compile=True: model .* trains on a CPU mesh"):
-        loss = model.fit(X, Y, batch_size=16, epochs=2, verbose=0, shuffle=False).history["loss"]
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    auto = _mlp()
-    auto.compile(optimizer=keras.optimizers.SGD(LR), loss="mse", jit_compile="auto")
-    assert auto.jit_compile is False
-
-
 @pytest.mark.slow
 def test_tf_dtensor_xla_spmd_mode_still_runs_unpartitioned_on_a_cpu_mesh():
     """Why tfdist does not build CPU/GPU meshes in DTensor's XLA SPMD mode (docs/design.md): each

@@ -68,7 +68,7 @@ from tensorflow.python.eager import context
 import keras
 
 from tfdist import _patches
-from tfdist.keras import _variables
+from tfdist.keras import _compiled_forward, _variables
 from tfdist.keras._backend import mesh_variables_exist, tfdist_mesh
 from tfdist.keras._data import gather_to_numpy
 from tfdist.keras._eager_calls import eager_call, runs_traced
@@ -175,6 +175,8 @@ def _install_layer_inputs() -> None:
     original = _patches.original(_LAYER_CALL)
 
     def call(self, *args, **kwargs):
+        if _compiled_forward.routes(self):  # a step program's forward, compiled per device
+            return _compiled_forward.call(self, original, args, kwargs)
         if not (mesh_variables_exist() or keras.distribution.distribution() is not None) \
                 or not tf.executing_eagerly():
             return original(self, *args, **kwargs)

@@ -26,7 +26,7 @@ from tensorflow.experimental import dtensor
 
 from tfdist import _patches, _registry, _runtime
 from tfdist.device_mesh import DeviceMesh
-from tfdist.keras import _data, _offload_step, _variables
+from tfdist.keras import _compiled_forward, _data, _offload_step, _variables
 from tfdist.keras._backend import tfdist_mesh, traced_like_keras
 from tfdist.keras._loss_reduction import mean_loss_reduction
 from tfdist.tensor.parallel.loss import loss_parallel
@@ -232,23 +232,6 @@ def _program_options(mesh) -> Any:
     return calling
 
 
-def _warn_jit_compile(model, mesh) -> None:
-    """``jit_compile=True`` on a CPU or GPU mesh: said, not silently dropped.
-
-    TF DTensor inlines a jit-compiled function before its SPMD expansion (TF's dialect inliner
-    keeps inlining callees marked ``_XlaMustCompile``: docs/design.md, "XLA for the per-device
-    programs"), so the step runs as TF ops on every device, as with ``jit_compile=False``.
-    Keras says the same where a model does not support XLA. On TPU meshes DTensor compiles the
-    step with XLA itself."""
-    if mesh is None or mesh.device_type.upper() == "TPU" or not getattr(model, "jit_compile", False):
-        return
-    warnings.warn(
-        f"jit_compile=True: model '{model.name}' trains on a {mesh.device_type.upper()} mesh, where TF "
-        "DTensor runs the step as TF ops on every device (it inlines jit-compiled functions before it "
-        "expands them), so the step is not XLA-compiled: it runs as with jit_compile=False. On one "
-        "device, and on TPU meshes, XLA compiles it.", UserWarning, stacklevel=4)
-
-
 def _through_concrete(function, tracing=contextlib.nullcontext, calling=contextlib.nullcontext,
                       combine: bool = False):
     """``function`` (a ``tf.function`` of one batch) called through the concrete function
@@ -348,10 +331,28 @@ def _tracing_scope():
         yield
 
 
-def _by_batch_split(step_function, run_eagerly: bool, mesh, batch_axis, combine: bool = False):
+def _tracing_scope_for(model, mesh, batch_axis):
+    """What ``model``'s step programs are traced inside: ``_tracing_scope``, and, for
+    ``jit_compile=True`` (or Keras' ``"auto"`` resolved to it: a host with an accelerator), the
+    model's forward compiled per device where it is per device (``_compiled_forward``)."""
+    routing = _compiled_forward.plan(model, mesh, batch_axis)
+    if routing is None:
+        return _tracing_scope
+
+    @contextlib.contextmanager
+    def scope():
+        with _tracing_scope(), routing():
+            yield
+
+    return scope
+
+
+def _by_batch_split(step_function, run_eagerly: bool, mesh, batch_axis, combine: bool = False,
+                    tracing=_tracing_scope):
     """``step_function`` on sharded batches; a batch that does not split evenly over the
     data-parallel dim runs replicated (``replicated_batch``) in its own traced function.
-    ``combine``: its programs' independent all-reduces are combined (``_combining``).
+    ``combine``: its programs' independent all-reduces are combined (``_combining``);
+    ``tracing``: the scope its programs are traced inside (``_tracing_scope_for``).
 
     The even steps may relax their batch dim (``reduce_retracing``); the partial
     ones keep a static size, so a partial batch never meets a program traced for
@@ -364,7 +365,7 @@ def _by_batch_split(step_function, run_eagerly: bool, mesh, batch_axis, combine:
     else:
         calling = _program_options(mesh)
         traced = traced_like_keras(step_function, reduce_retracing=True), traced_like_keras(step_function)
-        even, partial = (_through_concrete(f, _tracing_scope, calling, combine) for f in traced)
+        even, partial = (_through_concrete(f, tracing, calling, combine) for f in traced)
 
     def step(data, splits_evenly=None):
         """One step on ``data``: host batches, or batches ``BatchFeed`` placed (then pass
@@ -387,8 +388,10 @@ def _steps(model, step_function, mesh, batch_axis, combine: bool = False):
     (``_offload_step``).  ``combine``: the program's independent all-reduces are combined
     (train and test steps; not predict's, whose outputs may be all-reduced values, nor an
     offloaded step's device program, which returns its gradients)."""
+    tracing = _tracing_scope_for(model, mesh, batch_axis)
+
     def split(function, combine=combine):
-        return _by_batch_split(function, model.run_eagerly, mesh, batch_axis, combine)
+        return _by_batch_split(function, model.run_eagerly, mesh, batch_axis, combine, tracing)
 
     if _offload_step.offloaded_variables(model):
         return _offload_step.offloaded_steps(model, step_function, split, mesh, batch_axis)
@@ -407,7 +410,6 @@ def install() -> None:
             return _explain_stranded(self, original_make(self, step_function))
         check_layout_map(self)
         mesh, batch_axis = mesh_of(self)
-        _warn_jit_compile(self, mesh)
         one_step = _steps(self, step_function, mesh, batch_axis, combine=combining_pays(self))
         feeds = {}  # the feed of the epoch iterator Keras passes (one, reused while Keras reuses it)
 

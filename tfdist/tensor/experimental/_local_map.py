@@ -29,7 +29,7 @@ from tfdist.tensor._layout import DTensorSpec, normalize_placements, to_root_pla
 from tfdist.tensor._xla_local import LocalInput, PerDeviceProgram, xla_platform
 from tfdist.tensor.placement_types import Placement, Shard
 
-__all__ = ["local_map"]
+__all__ = ["local_map", "compiled_per_device"]
 
 Placements = Sequence[Placement]
 
@@ -277,6 +277,29 @@ def local_map(
         return _wrap_outputs(result, out_placements, have, mesh, root)
 
     return wrapped
+
+
+def compiled_per_device(func: Callable, args: Sequence[DTensor], out_placements: Placements,
+                        mesh: DeviceMesh, programs: dict) -> Any:
+    """``func`` of the local shards of ``args`` as one XLA program per device; ``func`` returns a
+    nest of tensors (a Keras model's outputs), each laid out ``out_placements``: the same nest of
+    DTensors.  For callers that learn the outputs only by tracing; ``programs`` caches the
+    compiled programs by input signature (so one ``func`` per ``programs``).  ``args`` must be even DTensors with one mesh dim per tensor dim, on a
+    CPU or GPU mesh (``xla_platform``)."""
+    root = mesh.root_mesh
+    platform = xla_platform(root.device_type)
+    if platform is None:
+        raise ValueError(f"no per-device XLA programs on a {root.device_type} mesh: TF DTensor compiles it whole")
+    device_dims = sorted({m for a in args for m, p in enumerate(a._spec.root_placements) if not p.is_replicate()})
+    values, arg_dims = [], []
+    for a in args:
+        t, have_a = _to_stacked(a, device_dims)
+        values.append(t)
+        arg_dims.append(have_a)
+    have = [m for m in device_dims if any(m in d for d in arg_dims)]
+    result = _compiled_call(func, {}, values, arg_dims, have, root, platform, programs)
+    flat = tf.nest.flatten(result)
+    return tf.nest.pack_sequence_as(result, _wrap_outputs(flat, [tuple(out_placements)] * len(flat), have, mesh, root))
 
 
 def _compiled_call(func: Callable, kwargs: dict, values: list, arg_dims: list, have: list[int],
