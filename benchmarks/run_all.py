@@ -141,6 +141,13 @@ def _all_reduce(d: dict) -> Headline:
     return [("TF DTensor all-reduce / MirroredStrategy's (time)", round(d["ratio_dtensor_over_mirrored"], 3), "")]
 
 
+def _per_device_xla(d: dict) -> Headline:
+    names = {("block", "local_map_xla"): "gelu block step, local_map(jit_compile=True) / plain TF DTensor",
+             ("gemma", "jit_true"): "keras-hub Gemma data-parallel step, jit_compile=True / False (CPU)"}
+    return [(names[(r["workload"], r["program"])], r.get("step_vs_tf_dtensor", r.get("step_vs_jit_false")), "")
+            for r in d["rows"] if (r["workload"], r["program"]) in names]
+
+
 def _fit_host_cost(d: dict) -> Headline:
     return [(f"fit step / hand-written step, {k} ({d['workload']})", round(v, 3), "<= 1.0")
             for k, v in d["paired_ratios"].items() if k in ("fit/hand wall_ms", "fit/hand cpu_ms")]
@@ -197,6 +204,8 @@ BENCHMARKS = [
               _loss_reduction, in_quick=False),
     Benchmark("step_program_alone", "step_program_alone.py", (), ("--rounds", "1", "--steps", "5"),
               "step_program_alone_W2.json", _step_alone, in_quick=False),
+    Benchmark("per_device_xla", "per_device_xla.py", (), ("--rounds", "1"), "per_device_xla.json",
+              _per_device_xla, in_quick=False),
 ]
 
 

@@ -23,8 +23,8 @@ explicit ``jit_compile=True``, says why once) where:
 
 Where XLA pays: on GPUs, whose per-op launches it fuses (Keras' ``"auto"`` picks XLA when the host
 has an accelerator, the same on a mesh).  On CPUs Keras' ``"auto"`` keeps TF ops, and that is what
-is faster there: keras-hub's Gemma step, data parallel on 8 virtual CPUs, takes 2.7x as long
-compiled per device as with TF's oneDNN kernels (docs/performance.md).
+is faster there: keras-hub's Gemma step, data parallel on 8 virtual CPUs, takes 1.5x as long
+compiled per device as with TF's oneDNN kernels (benchmarks/per_device_xla.py, docs/performance.md).
 """
 
 from __future__ import annotations
