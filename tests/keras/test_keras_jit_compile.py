@@ -106,3 +106,4 @@ def test_sharded_variables_run_as_tf_ops_and_say_which():
     losses, said = _fit(model, jit_compile=True)
     assert len(said) == 1 and "are sharded over the mesh" in said[0] and "up/kernel" in said[0]
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+

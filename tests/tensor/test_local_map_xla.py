@@ -130,3 +130,10 @@ def test_uneven_shards_run_compiled_per_device_eagerly():
     sums = local_map(lambda t: tf.reduce_sum(t, axis=1, keepdims=True), [Replicate(), Shard(0)],
                      jit_compile=True)(u)
     np.testing.assert_array_equal(sums.full_tensor().numpy(), np.arange(24.0).reshape(6, 4).sum(1, keepdims=True))
+
+
+def test_an_op_xla_cannot_compile_is_named():
+    x = distribute_tensor(np.ones((8, 4, 4, 2), np.float32), MESH, [Shard(0), Replicate()])
+    f = local_map(lambda t: tf.image.resize(t, [8, 8], method="bicubic"), [Shard(0), Replicate()], jit_compile=True)
+    with pytest.raises(ValueError, match="XLA cannot compile the local function.*ResizeBicubic"):
+        f(x)

@@ -19,7 +19,9 @@ explicit ``jit_compile=True``, says why once) where:
   or the model has parameters offloaded to the host;
 - the forward updates a non-trainable variable (batch normalisation's statistics, a random layer's
   seed: on one device they see the whole batch) or adds losses (``add_loss``);
-- an input or output has no static batch dim, or an output has no batch dim.
+- an input or output has no static batch dim, or an output has no batch dim;
+- XLA cannot compile the forward or its gradient (an op without an XLA kernel, a shape known
+  only at run time; on one device Keras' step would fail there, on a mesh it runs as TF ops, said).
 
 Where XLA pays: on GPUs, whose per-op launches it fuses (Keras' ``"auto"`` picks XLA when the host
 has an accelerator, the same on a mesh).  On CPUs Keras' ``"auto"`` keeps TF ops, and that is what
@@ -43,7 +45,7 @@ from tfdist.device_mesh import DeviceMesh
 from tfdist.keras import _offload_step, _variables
 from tfdist.tensor._api import DTensor
 from tfdist.tensor._layout import DTensorSpec
-from tfdist.tensor._xla_local import xla_platform
+from tfdist.tensor._xla_local import NotCompilable, xla_platform
 from tfdist.tensor.experimental._local_map import compiled_per_device
 from tfdist.tensor.parallel.style import batch_replicated
 from tfdist.tensor.placement_types import Replicate, Shard
@@ -208,5 +210,9 @@ class _Route:
             programs = self.programs.setdefault(key, {})  # one traced forward per call's options
         except TypeError:
             programs = {}
-        results = compiled_per_device(local, inputs, placements, self.mesh, programs)
+        try:
+            results = compiled_per_device(local, inputs, placements, self.mesh, programs,
+                                          with_gradient=bool(kwargs.get("training")))
+        except NotCompilable as error:
+            raise _NotPerDevice(str(error).replace("jit_compile=True: ", "")) from None
         return tf.nest.map_structure(lambda r: r._physical, results)

@@ -40,7 +40,7 @@ from typing import Any, Callable, Sequence
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-__all__ = ["xla_platform", "PerDeviceProgram"]
+__all__ = ["xla_platform", "PerDeviceProgram", "NotCompilable"]
 
 _REPLICATED_DEFAULT = "DTENSOR_ENABLE_REPLICATED_SPMD_AS_DEFAULT_TF.XLACALLMODULE"
 # XlaCallModule's own versioning (the op's ``version`` attr): 9 is the version jax2tf writes
@@ -62,6 +62,11 @@ def xla_platform(device_type: str) -> str | None:
     if kind == "GPU":
         return "ROCM" if tf.test.is_built_with_rocm() else "CUDA"
     return None
+
+
+class NotCompilable(ValueError):
+    """The local function cannot become one XLA program: an op without an XLA kernel (TF's
+    message), outputs without static shapes, or tensors captured from the enclosing program."""
 
 
 @dataclass(frozen=True)
@@ -94,16 +99,20 @@ def _stablehlo(fn: Callable, specs: Sequence[tf.TensorSpec]) -> tuple[bytes, lis
     symbolic = [c for c in captures
                 if not isinstance(c, tf.__internal__.EagerTensor) or c.dtype in (tf.resource, tf.variant)]
     if symbolic:
-        raise ValueError(
+        raise NotCompilable(
             "jit_compile=True: the local function captures tensors or variables of the enclosing "
             f"program ({[getattr(c, 'name', c) for c in symbolic][:4]}); XLA compiles it on its own, "
             "so pass them as arguments (DTensors, with their placements) instead.")
     outs = [tf.TensorSpec(o.shape, o.dtype) for o in tf.nest.flatten(concrete.structured_outputs)]
     if any(not o.shape.is_fully_defined() for o in outs):
-        raise ValueError(
+        raise NotCompilable(
             "jit_compile=True: the local function's outputs must have static shapes at the local "
             f"input shapes; got {[tuple(o.shape) for o in outs]}.")
-    text = traced.experimental_get_compiler_ir(*specs)(stage="stablehlo")
+    try:
+        text = traced.experimental_get_compiler_ir(*specs)(stage="stablehlo")
+    except ValueError as error:  # TF: "Failed getting HLO text: ... unsupported operations ..."
+        raise NotCompilable(
+            f"jit_compile=True: XLA cannot compile the local function: {str(error).splitlines()[0][:400]}") from None
     module = stablehlo.serialize_portable_artifact_str(text, stablehlo.get_current_version())
     return module, outs, captures
 
@@ -214,10 +223,15 @@ class PerDeviceProgram:
             stacked.append(_leave_local(y, self._out_layout(len(shape)), shape, self._out_lead))
         return stacked
 
-    def _gradients(self, xs: list, dys: list) -> list:
+    def prepare_gradient(self) -> None:
+        """Compiles the gradient's program now (else at the first gradient), so that an op XLA
+        cannot differentiate is reported (``NotCompilable``) before the forward is used."""
         if self._backward is None:
             dy_specs = [tf.TensorSpec(o.shape, o.dtype) for o in self._forward_outs]
             self._backward = _stablehlo(self._local_vjp, self._specs + dy_specs)
+
+    def _gradients(self, xs: list, dys: list) -> list:
+        self.prepare_gradient()
         entered = [_enter_local(x, i) for x, i in zip(xs, self._inputs)]
         entered_dys = []
         for dy, spec in zip(dys, self._forward_outs):

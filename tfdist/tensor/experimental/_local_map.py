@@ -26,7 +26,7 @@ from tensorflow.experimental import dtensor
 from tfdist.device_mesh import DeviceMesh
 from tfdist.tensor._api import DTensor
 from tfdist.tensor._layout import DTensorSpec, normalize_placements, to_root_placements
-from tfdist.tensor._xla_local import LocalInput, PerDeviceProgram, xla_platform
+from tfdist.tensor._xla_local import LocalInput, NotCompilable, PerDeviceProgram, xla_platform
 from tfdist.tensor.placement_types import Placement, Shard
 
 __all__ = ["local_map", "compiled_per_device"]
@@ -273,18 +273,23 @@ def local_map(
         if platform is None:
             result = _nested_map(lambda *xs: func(*xs, **kwargs), device_dims, values, arg_dims)
         else:
-            result = _compiled_call(func, kwargs, values, arg_dims, have, root, platform, programs)
+            try:
+                result = _compiled_call(func, kwargs, values, arg_dims, have, root, platform, programs)
+            except NotCompilable as error:  # a plain ValueError: autograph re-raises only known types
+                raise ValueError(str(error)) from None
         return _wrap_outputs(result, out_placements, have, mesh, root)
 
     return wrapped
 
 
 def compiled_per_device(func: Callable, args: Sequence[DTensor], out_placements: Placements,
-                        mesh: DeviceMesh, programs: dict) -> Any:
+                        mesh: DeviceMesh, programs: dict, with_gradient: bool = False) -> Any:
     """``func`` of the local shards of ``args`` as one XLA program per device; ``func`` returns a
     nest of tensors (a Keras model's outputs), each laid out ``out_placements``: the same nest of
     DTensors.  For callers that learn the outputs only by tracing; ``programs`` caches the
-    compiled programs by input signature (so one ``func`` per ``programs``).  ``args`` must be even DTensors with one mesh dim per tensor dim, on a
+    compiled programs by input signature (so one ``func`` per ``programs``); ``with_gradient``
+    compiles the gradient's program too before anything is emitted (``NotCompilable`` then
+    leaves the caller's program untouched but for unused view ops).  ``args`` must be even DTensors with one mesh dim per tensor dim, on a
     CPU or GPU mesh (``xla_platform``)."""
     root = mesh.root_mesh
     platform = xla_platform(root.device_type)
@@ -297,13 +302,13 @@ def compiled_per_device(func: Callable, args: Sequence[DTensor], out_placements:
         values.append(t)
         arg_dims.append(have_a)
     have = [m for m in device_dims if any(m in d for d in arg_dims)]
-    result = _compiled_call(func, {}, values, arg_dims, have, root, platform, programs)
+    result = _compiled_call(func, {}, values, arg_dims, have, root, platform, programs, with_gradient)
     flat = tf.nest.flatten(result)
     return tf.nest.pack_sequence_as(result, _wrap_outputs(flat, [tuple(out_placements)] * len(flat), have, mesh, root))
 
 
 def _compiled_call(func: Callable, kwargs: dict, values: list, arg_dims: list, have: list[int],
-                   root: DeviceMesh, platform: str, programs: dict):
+                   root: DeviceMesh, platform: str, programs: dict, with_gradient: bool = False):
     """``func`` on the stacked views ``values`` as one XLA program per device (``PerDeviceProgram``),
     built once per input signature.  Plain tensors among the arguments enter replicated; other
     arguments (Python values) are fixed into the program."""
@@ -336,6 +341,8 @@ def _compiled_call(func: Callable, kwargs: dict, values: list, arg_dims: list, h
         program = PerDeviceProgram(
             local, specs, lambda rank: _layout(root, list(have) + [None] * (rank - len(have))),
             have, [root.shape[m] for m in have], platform)
+        if with_gradient:
+            program.prepare_gradient()
         if key is not None:
             programs[key] = program
     return program(*tensors)
