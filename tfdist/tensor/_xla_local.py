@@ -22,10 +22,13 @@ tensors:
   global shape and layout they have (the add is not expanded either: its operand is parted),
   and a relayout to the plain layout ends the parted region.
 
-Gradients: a second module computes the function's vector-Jacobian product per device
-(the forward recomputed inside it, so nothing crosses between the two modules); the
-gradient of an input replicated over some of the mesh dims the outputs vary over is summed
-over those dims by TF DTensor (an all-reduce), as a vectorised per-device call would.
+Gradients: a second module computes the function's vector-Jacobian product per device.  Under
+a tape the forward module also returns what the backward reads of it (its residuals, found
+by cutting the joint forward-and-gradient graph TF builds: ``_split_at_residuals``), passed to
+the backward module as parted tensors, so the backward does not recompute the forward (where
+the cut finds a residual that is no plain tensor, it does).  The gradient of an input
+replicated over some of the mesh dims the outputs vary over is summed over those dims by TF
+DTensor (an all-reduce), as a vectorised per-device call would.
 
 TPU meshes: TF DTensor compiles the whole program with XLA there, so callers keep their
 TF-op form (``xla_platform`` returns None).
