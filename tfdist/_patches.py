@@ -159,7 +159,9 @@ PATCHES: tuple[Patch, ...] = (
     Patch("keras.src.layers.layer", "Layer", "__call__", ("self", "args", "kwargs"), "process",
           "plain eager inputs of a layer on a mesh are replicated onto it (torch's Replicate annotation; "
           "eager DTensor refuses host tensors), and the eager call of a built layer on a mesh runs traced, "
-          "so tensors its code makes (masks, ranges) are constants TF DTensor replicates"),
+          "so tensors its code makes (masks, ranges) are constants TF DTensor replicates; while tfdist traces "
+          "a step of a jit_compile=True data-parallel model, the model's own call runs as one XLA program per "
+          "device (tfdist/keras/_compiled_forward.py)"),
     Patch("keras.src.losses.loss", "Loss", "__call__", ("self", "y_true", "y_pred", "sample_weight"), "process",
           "eager labels/sample weights beside DTensor predictions go onto their mesh (torch's Replicate annotation)"),
     Patch("keras.src.losses.loss", None, "reduce_values", ("values", "sample_weight", "reduction"), "with",

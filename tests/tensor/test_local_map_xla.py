@@ -161,3 +161,8 @@ def test_the_backward_reads_the_forwards_residuals_instead_of_recomputing_it():
     plain = [op for op in unwatched.get_concrete_function(x._physical, w._physical).graph.get_operations()
              if op.type == "XlaCallModule"]
     assert len(plain) == 1 and len(plain[0].outputs) == 1  # no tape: no residuals kept
+
+
+def test_where_the_graph_does_not_split_the_backward_recomputes_the_forward(monkeypatch):
+    monkeypatch.setattr(_xla_local, "_split_at_residuals", lambda *args: None)  # e.g. a loop's accumulator
+    test_values_and_gradients_equal_one_device(graph=True)

@@ -246,20 +246,6 @@ class PerDeviceProgram:
     def _differentiable(self) -> list[int]:
         return [k for k, i in enumerate(self._inputs) if i.dtype.is_floating or i.dtype.is_complex]
 
-    def _local_vjp(self, *xs_and_dys: tf.Tensor):
-        """Per device: the gradients of the differentiable inputs, each with the outputs' leading
-        axes (so the stacked gradient can be summed over the mesh dims the input does not vary on)."""
-        n = len(self._inputs)
-        xs, dys = list(xs_and_dys[:n]), list(xs_and_dys[n:])
-        wrt = [xs[k] for k in self._differentiable()]
-        with tf.GradientTape() as tape:
-            tape.watch(wrt)
-            ys = self._local(*xs)
-        grads = tape.gradient(ys, wrt, output_gradients=dys,
-                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        return [tf.reshape(g, [1] * self._out_lead + list(self._inputs[k].shape[self._inputs[k].lead:]))
-                for g, k in zip(grads, self._differentiable())]
-
     def _outputs(self, raw: list) -> list:
         stacked = []
         for y, spec in zip(raw, self._forward_outs):
@@ -280,8 +266,8 @@ class PerDeviceProgram:
         dy_specs = [tf.TensorSpec(o.shape, o.dtype) for o in self._forward_outs]
         n_y = len(self._forward_outs)
         split = _split_at_residuals(self._local_vjp_joint, self._specs + dy_specs, len(self._specs), n_y)
-        if split is None:
-            self._backward = _stablehlo(self._local_vjp, self._specs + dy_specs)
+        if split is None:  # the backward recomputes the forward
+            self._backward = _stablehlo(lambda *a: self._local_vjp_joint(*a)[n_y:], self._specs + dy_specs)
             return
         forward, backward = split
         self._forward_keeping = _stablehlo(lambda *a: forward(*a), self._specs)
@@ -290,7 +276,9 @@ class PerDeviceProgram:
         self._keeps_residuals = True
 
     def _local_vjp_joint(self, *xs_and_dys: tf.Tensor) -> list:
-        """The forward's outputs and the gradients, in one graph (split by ``_split_at_residuals``)."""
+        """Per device: the forward's outputs, then the gradients of the differentiable inputs, each
+        with the outputs' leading axes (so the stacked gradient can be summed over the mesh dims
+        the input does not vary on); one graph, split by ``_split_at_residuals``."""
         n = len(self._inputs)
         xs, dys = list(xs_and_dys[:n]), list(xs_and_dys[n:])
         wrt = [xs[k] for k in self._differentiable()]
