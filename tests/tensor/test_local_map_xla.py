@@ -138,31 +138,3 @@ def test_an_op_xla_cannot_compile_is_named():
     with pytest.raises(ValueError, match="XLA cannot compile the local function.*ResizeBicubic"):
         f(x)
 
-
-def test_the_backward_reads_the_forwards_residuals_instead_of_recomputing_it():
-    x = distribute_tensor(X, MESH, [Shard(0), Replicate()])
-    w = distribute_tensor(np.ones((8, 8), np.float32) / 8, MESH, [Replicate(), Replicate()])
-    f = local_map(lambda a, b: tf.nn.gelu(tf.nn.gelu(a @ b) @ b), [Shard(0), Replicate()], jit_compile=True)
-
-    @tf.function
-    def watched(xp, wp):
-        with tf.GradientTape() as tape:
-            tape.watch(wp)
-            loss = tf.reduce_sum(f(DTensor._wrap(xp, x._spec), DTensor._wrap(wp, w._spec)) ** 2)
-        return tape.gradient(loss, wp)
-
-    modules = [op for op in watched.get_concrete_function(x._physical, w._physical).graph.get_operations()
-               if op.type == "XlaCallModule"]
-    forward, backward = modules
-    assert len(forward.outputs) > 1  # its output and what the backward reads of the forward
-    # the backward takes the inputs, those residuals and the output's gradient
-    assert len(backward.inputs) == 2 + (len(forward.outputs) - 1) + 1
-    unwatched = tf.function(lambda xp, wp: f(DTensor._wrap(xp, x._spec), DTensor._wrap(wp, w._spec))._physical)
-    plain = [op for op in unwatched.get_concrete_function(x._physical, w._physical).graph.get_operations()
-             if op.type == "XlaCallModule"]
-    assert len(plain) == 1 and len(plain[0].outputs) == 1  # no tape: no residuals kept
-
-
-def test_where_the_graph_does_not_split_the_backward_recomputes_the_forward(monkeypatch):
-    monkeypatch.setattr(_xla_local, "_split_at_residuals", lambda *args: None)  # e.g. a loop's accumulator
-    test_values_and_gradients_equal_one_device(graph=True)

@@ -22,13 +22,10 @@ tensors:
   global shape and layout they have (the add is not expanded either: its operand is parted),
   and a relayout to the plain layout ends the parted region.
 
-Gradients: a second module computes the function's vector-Jacobian product per device.  Under
-a tape the forward module also returns what the backward reads of it (its residuals, found
-by cutting the joint forward-and-gradient graph TF builds: ``_split_at_residuals``), passed to
-the backward module as parted tensors, so the backward does not recompute the forward (where
-the cut finds a residual that is no plain tensor, it does).  The gradient of an input
-replicated over some of the mesh dims the outputs vary over is summed over those dims by TF
-DTensor (an all-reduce), as a vectorised per-device call would.
+Gradients: a second module computes the function's vector-Jacobian product per device
+(the forward recomputed inside it, so nothing crosses between the two modules); the
+gradient of an input replicated over some of the mesh dims the outputs vary over is summed
+over those dims by TF DTensor (an all-reduce), as a vectorised per-device call would.
 
 TPU meshes: TF DTensor compiles the whole program with XLA there, so callers keep their
 TF-op form (``xla_platform`` returns None).
@@ -149,45 +146,6 @@ def _leave_local(y: tf.Tensor, layout: dtensor.Layout, shape: Sequence[int], lea
     return dtensor.relayout(y + zeros, layout)
 
 
-def _split_at_residuals(joint: Callable, specs: Sequence[tf.TensorSpec], n_x: int, n_y: int):
-    """``joint(*xs, *dys) -> ys + grads`` cut where its backward reads its forward.
-
-    Returns ``(forward, backward)``: ``forward(*xs) -> ys + residuals`` and
-    ``backward(*xs, *residuals, *dys) -> grads``, the residuals being the tensors of the forward
-    (not constants) that an op depending on a ``dy`` reads; or None where a residual is not a
-    plain tensor of static shape (a loop's accumulator, a resource): the backward then recomputes
-    the forward.  What JAX's ``vjp`` keeps, found in the graph TF's gradient built."""
-    wrapped = tf.compat.v1.wrap_function(joint, list(specs))
-    placeholders = list(wrapped.inputs)[:len(specs)]
-    xs, dys = placeholders[:n_x], placeholders[n_x:]
-    outputs = tf.nest.flatten(wrapped.outputs)
-    ys, grads = outputs[:n_y], outputs[n_y:]
-    backward_ops: set = set()
-    stack = [d.op for d in dys]
-    while stack:
-        op = stack.pop()
-        if op in backward_ops:
-            continue
-        backward_ops.add(op)
-        stack.extend(c for out in op.outputs for c in out.consumers())
-        stack.extend(op._control_outputs)
-    fed = {x.ref() for x in xs}
-    residuals, seen = [], set()
-    for op in wrapped.graph.get_operations():
-        if op not in backward_ops:
-            continue
-        for t in op.inputs:
-            if t.op in backward_ops or t.op.type == "Const" or t.ref() in fed or t.ref() in seen:
-                continue
-            if t.dtype in (tf.resource, tf.variant, tf.string) or not t.shape.is_fully_defined():
-                return None
-            seen.add(t.ref())
-            residuals.append(t)
-    forward = wrapped.prune(feeds=xs, fetches=ys + residuals)
-    backward = wrapped.prune(feeds=xs + residuals + dys, fetches=grads)
-    return forward, backward
-
-
 class PerDeviceProgram:
     """``fn`` (a function of local tensors) run on every device of a mesh, compiled by XLA.
 
@@ -227,8 +185,6 @@ class PerDeviceProgram:
         self._forward_outs = self._forward[1]
         self._mesh = self._inputs[0].layout.mesh if self._inputs else None
         self._backward = None  # built when a gradient is first asked for
-        self._keeps_residuals = False  # the backward reads the forward's residuals (else recomputes)
-        self._forward_keeping: tuple | None = None  # the forward that returns them too
         self._eager = None  # the call as one traced program, for eager callers
 
     def _local(self, *xs: tf.Tensor):
@@ -246,6 +202,20 @@ class PerDeviceProgram:
     def _differentiable(self) -> list[int]:
         return [k for k, i in enumerate(self._inputs) if i.dtype.is_floating or i.dtype.is_complex]
 
+    def _local_vjp(self, *xs_and_dys: tf.Tensor):
+        """Per device: the gradients of the differentiable inputs, each with the outputs' leading
+        axes (so the stacked gradient can be summed over the mesh dims the input does not vary on)."""
+        n = len(self._inputs)
+        xs, dys = list(xs_and_dys[:n]), list(xs_and_dys[n:])
+        wrt = [xs[k] for k in self._differentiable()]
+        with tf.GradientTape() as tape:
+            tape.watch(wrt)
+            ys = self._local(*xs)
+        grads = tape.gradient(ys, wrt, output_gradients=dys,
+                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        return [tf.reshape(g, [1] * self._out_lead + list(self._inputs[k].shape[self._inputs[k].lead:]))
+                for g, k in zip(grads, self._differentiable())]
+
     def _outputs(self, raw: list) -> list:
         stacked = []
         for y, spec in zip(raw, self._forward_outs):
@@ -254,49 +224,21 @@ class PerDeviceProgram:
         return stacked
 
     def prepare_gradient(self) -> None:
-        """Compiles the gradient's programs now (else at the first gradient), so that an op XLA
-        cannot differentiate is reported (``NotCompilable``) before the forward is used.
+        """Compiles the gradient's program now (else at the first gradient), so that an op XLA
+        cannot differentiate is reported (``NotCompilable``) before the forward is used."""
+        if self._backward is None:
+            dy_specs = [tf.TensorSpec(o.shape, o.dtype) for o in self._forward_outs]
+            self._backward = _stablehlo(self._local_vjp, self._specs + dy_specs)
 
-        Where the joint forward and backward split at plain residuals (``_split_at_residuals``),
-        a second forward returns them and the backward reads them -- parted tensors passed from
-        one module to the other on each device, no data moved -- instead of recomputing the
-        forward (a third more compute on a transformer's step)."""
-        if self._backward is not None:
-            return
-        dy_specs = [tf.TensorSpec(o.shape, o.dtype) for o in self._forward_outs]
-        n_y = len(self._forward_outs)
-        split = _split_at_residuals(self._local_vjp_joint, self._specs + dy_specs, len(self._specs), n_y)
-        if split is None:  # the backward recomputes the forward
-            self._backward = _stablehlo(lambda *a: self._local_vjp_joint(*a)[n_y:], self._specs + dy_specs)
-            return
-        forward, backward = split
-        self._forward_keeping = _stablehlo(lambda *a: forward(*a), self._specs)
-        residual_specs = self._forward_keeping[1][n_y:]
-        self._backward = _stablehlo(lambda *a: backward(*a), self._specs + residual_specs + dy_specs)
-        self._keeps_residuals = True
-
-    def _local_vjp_joint(self, *xs_and_dys: tf.Tensor) -> list:
-        """Per device: the forward's outputs, then the gradients of the differentiable inputs, each
-        with the outputs' leading axes (so the stacked gradient can be summed over the mesh dims
-        the input does not vary on); one graph, split by ``_split_at_residuals``."""
-        n = len(self._inputs)
-        xs, dys = list(xs_and_dys[:n]), list(xs_and_dys[n:])
-        wrt = [xs[k] for k in self._differentiable()]
-        with tf.GradientTape() as tape:
-            tape.watch(wrt)
-            ys = self._local(*xs)
-        grads = tape.gradient(ys, wrt, output_gradients=dys, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        return list(ys) + [tf.reshape(g, [1] * self._out_lead + list(self._inputs[k].shape[self._inputs[k].lead:]))
-                           for g, k in zip(grads, self._differentiable())]
-
-    def _gradients(self, xs: list, dys: list, residuals: list) -> list:
+    def _gradients(self, xs: list, dys: list) -> list:
+        self.prepare_gradient()
         entered = [_enter_local(x, i) for x, i in zip(xs, self._inputs)]
         entered_dys = []
         for dy, spec in zip(dys, self._forward_outs):
             layout = self._out_layout(spec.shape.rank)
             dy = dtensor.relayout(dy, layout)  # the stacked output's own layout
             entered_dys.append(dtensor.relayout(dy, layout.to_parted()) if self._out_lead else dy)
-        raw = _call_module(self._backward, entered + residuals + entered_dys, self._platform, self._mesh)
+        raw = _call_module(self._backward, entered + entered_dys, self._platform, self._mesh)
         grads: list = [None] * len(self._inputs)
         for g, k in zip(raw, self._differentiable()):
             spec = self._inputs[k]
@@ -311,31 +253,13 @@ class PerDeviceProgram:
         return grads
 
     def _run(self, *xs: tf.Tensor) -> list:
-        from tensorflow.python.eager import record
-
-        watched = record.could_possibly_record() and bool(self._differentiable())
-        if watched:
-            self.prepare_gradient()  # a tape is watching: the forward keeps what the backward reads
-        keep = watched and self._keeps_residuals
-
         @tf.custom_gradient
         def run(*args):
             entered = [_enter_local(x, i) for x, i in zip(args, self._inputs)]
-            residuals: list = []
-            if keep:
-                raw = _call_module(self._forward_keeping, entered, self._platform, self._mesh)
-                raw, residuals = raw[:len(self._forward_outs)], list(raw[len(self._forward_outs):])
-            else:
-                raw = _call_module(self._forward, entered, self._platform, self._mesh)
-            outs = self._outputs(raw)
+            outs = self._outputs(_call_module(self._forward, entered, self._platform, self._mesh))
 
             def grad(*dys):
-                if self._backward is None:
-                    self.prepare_gradient()
-                if self._keeps_residuals and not residuals:  # a gradient the forward did not expect
-                    kept = _call_module(self._forward_keeping, entered, self._platform, self._mesh)
-                    residuals.extend(kept[len(self._forward_outs):])
-                return self._gradients(list(args), list(dys), residuals)
+                return self._gradients(list(args), list(dys))
 
             return outs, grad
 
