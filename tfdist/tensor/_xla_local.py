@@ -193,7 +193,7 @@ class PerDeviceProgram:
         result = self._fn(*inner)
         flat = tf.nest.flatten(result)
         if not flat or not all(isinstance(t, tf.Tensor) for t in flat):
-            raise ValueError(
+            raise NotCompilable(
                 "jit_compile=True: the local function must return tensors (a tensor or a tuple/list "
                 f"of them); got {result!r}.")
         self._structure = result

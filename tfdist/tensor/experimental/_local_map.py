@@ -254,21 +254,7 @@ def local_map(
                 or _nests_a_dim(out_placements):
             local_func = tf.function(func, jit_compile=True, autograph=False) if jit_compile else func
             return _per_device(local_func, prepared, kwargs, out_placements, mesh)
-        device_dims = sorted({
-            m for a in prepared if isinstance(a, DTensor)
-            for m, p in enumerate(a._spec.root_placements) if not p.is_replicate()
-        })
-        values, arg_dims = [], []
-        for a in prepared:
-            if isinstance(a, DTensor):
-                t, have = _to_stacked(a, device_dims)
-                values.append(t)
-                arg_dims.append(have)
-            else:
-                values.append(a)
-                arg_dims.append(None)
-
-        have = [m for m in device_dims if any(d is not None and m in d for d in arg_dims)]
+        device_dims, values, arg_dims, have = _stacked_views(prepared)
         platform = xla_platform(root.device_type) if jit_compile else None
         if platform is None:
             result = _nested_map(lambda *xs: func(*xs, **kwargs), device_dims, values, arg_dims)
@@ -282,6 +268,27 @@ def local_map(
     return wrapped
 
 
+def _stacked_views(args: Sequence[Any]) -> tuple[list[int], list, list, list[int]]:
+    """The stacked view of every DTensor in ``args`` (other values as they are): the mesh dims
+    some input varies on, the values, each one's leading mesh dims (None: not a DTensor), and
+    the mesh dims the outputs get a leading axis for."""
+    device_dims = sorted({
+        m for a in args if isinstance(a, DTensor)
+        for m, p in enumerate(a._spec.root_placements) if not p.is_replicate()
+    })
+    values, arg_dims = [], []
+    for a in args:
+        if isinstance(a, DTensor):
+            t, lead = _to_stacked(a, device_dims)
+            values.append(t)
+            arg_dims.append(lead)
+        else:
+            values.append(a)
+            arg_dims.append(None)
+    have = [m for m in device_dims if any(d is not None and m in d for d in arg_dims)]
+    return device_dims, values, arg_dims, have
+
+
 def compiled_per_device(func: Callable, args: Sequence[DTensor], out_placements: Placements,
                         mesh: DeviceMesh, programs: dict, with_gradient: bool = False) -> Any:
     """``func`` of the local shards of ``args`` as one XLA program per device; ``func`` returns a
@@ -289,19 +296,13 @@ def compiled_per_device(func: Callable, args: Sequence[DTensor], out_placements:
     DTensors.  For callers that learn the outputs only by tracing; ``programs`` caches the
     compiled programs by input signature (so one ``func`` per ``programs``); ``with_gradient``
     compiles the gradient's program too before anything is emitted (``NotCompilable`` then
-    leaves the caller's program untouched but for unused view ops).  ``args`` must be even DTensors with one mesh dim per tensor dim, on a
-    CPU or GPU mesh (``xla_platform``)."""
+    leaves the caller's program untouched but for unused view ops).  ``args`` must be even
+    DTensors with one mesh dim per tensor dim, on a CPU or GPU mesh (``xla_platform``)."""
     root = mesh.root_mesh
     platform = xla_platform(root.device_type)
     if platform is None:
         raise ValueError(f"no per-device XLA programs on a {root.device_type} mesh: TF DTensor compiles it whole")
-    device_dims = sorted({m for a in args for m, p in enumerate(a._spec.root_placements) if not p.is_replicate()})
-    values, arg_dims = [], []
-    for a in args:
-        t, have_a = _to_stacked(a, device_dims)
-        values.append(t)
-        arg_dims.append(have_a)
-    have = [m for m in device_dims if any(m in d for d in arg_dims)]
+    _, values, arg_dims, have = _stacked_views(args)
     result = _compiled_call(func, {}, values, arg_dims, have, root, platform, programs, with_gradient)
     flat = tf.nest.flatten(result)
     return tf.nest.pack_sequence_as(result, _wrap_outputs(flat, [tuple(out_placements)] * len(flat), have, mesh, root))
