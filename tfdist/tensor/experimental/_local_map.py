@@ -26,6 +26,7 @@ from tensorflow.experimental import dtensor
 from tfdist.device_mesh import DeviceMesh
 from tfdist.tensor._api import DTensor
 from tfdist.tensor._layout import DTensorSpec, normalize_placements, to_root_placements
+from tfdist.tensor._traced_call import TracedCall
 from tfdist.tensor._xla_local import LocalInput, NotCompilable, PerDeviceProgram, xla_platform
 from tfdist.tensor.placement_types import Placement, Shard
 
@@ -194,8 +195,11 @@ def local_map(
 
     Returns:
         A function taking DTensors.  Called with no DTensor it just calls
-        ``func``.  Works eagerly and inside ``tf.function``; ``func`` is
-        vectorised over the devices with ``tf.vectorized_map``.
+        ``func``.  Works eagerly and inside ``tf.function``, under a
+        ``GradientTape`` in both; ``func`` is vectorised over the devices with
+        ``tf.vectorized_map``.  An eager call runs as one ``tf.function``,
+        traced once per input signature (so ``func``'s Python side effects
+        happen at tracing, as in any ``tf.function``).
 
     Example (a row-wise scaled softmax on local rows, no communication)::
 
@@ -207,6 +211,7 @@ def local_map(
     if not isinstance(jit_compile, bool):
         raise TypeError(f"jit_compile must be True or False. Received: jit_compile={jit_compile!r}")
     programs: dict = {}  # input signature -> PerDeviceProgram (jit_compile=True)
+    traced: list = []  # the eager vectorised call's TracedCall, made at the first eager call
 
     # tf.vectorized_map converts ``func`` with autograph itself; the plumbing
     # around it must not be converted.
@@ -254,16 +259,26 @@ def local_map(
                 or _nests_a_dim(out_placements):
             local_func = tf.function(func, jit_compile=True, autograph=False) if jit_compile else func
             return _per_device(local_func, prepared, kwargs, out_placements, mesh)
-        device_dims, values, arg_dims, have = _stacked_views(prepared)
         platform = xla_platform(root.device_type) if jit_compile else None
         if platform is None:
-            result = _nested_map(lambda *xs: func(*xs, **kwargs), device_dims, values, arg_dims)
-        else:
-            try:
-                result = _compiled_call(func, kwargs, values, arg_dims, have, root, platform, programs)
-            except NotCompilable as error:  # a plain ValueError: autograph re-raises only known types
-                raise ValueError(str(error)) from None
+            if tf.executing_eagerly():  # one program; its backward traced with it (_traced_call)
+                if not traced:
+                    traced.append(TracedCall(vectorised))
+                return traced[0](mesh, *prepared, **kwargs)
+            return vectorised(mesh, *prepared, **kwargs)
+        _, values, arg_dims, have = _stacked_views(prepared)
+        try:
+            result = _compiled_call(func, kwargs, values, arg_dims, have, root, platform, programs)
+        except NotCompilable as error:  # a plain ValueError: autograph re-raises only known types
+            raise ValueError(str(error)) from None
         return _wrap_outputs(result, out_placements, have, mesh, root)
+
+    @tf.autograph.experimental.do_not_convert
+    def vectorised(mesh: DeviceMesh, *args: Any, **kwargs: Any):
+        """``func`` vectorised over the stacked views of ``args``' shards."""
+        device_dims, values, arg_dims, have = _stacked_views(args)
+        result = _nested_map(lambda *xs: func(*xs, **kwargs), device_dims, values, arg_dims)
+        return _wrap_outputs(result, out_placements, have, mesh, mesh.root_mesh)
 
     return wrapped
 
