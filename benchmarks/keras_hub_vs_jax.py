@@ -9,9 +9,14 @@ with the same ``LayoutMap``. Both run keras-hub's backbone (4 layers, hidden
 ``(batch, model)`` mesh of 8 virtual CPUs, trained with SGD on the same
 data from the same weights (drawn with numpy, so both backends start equal).
 
-A third program is the same model on one device, Keras' default on TF (no
-distribution, no tfdist): the compile-time reference of the speed issue (the
-first epoch on a mesh no slower than one device's).
+Two more programs are the same model on one device: Keras' default on TF (no
+distribution, no tfdist), the compile-time reference of the speed issue (the
+first epoch on a mesh no slower than one device's), and Keras on JAX, which
+says what the compiler-based alternative's mesh costs against its own one
+device on this host. Besides the first epoch, each program's compile time is
+estimated as its first epoch minus its steps at its measured step time: the 8
+virtual devices share the host's cores, so a mesh's step here is slower than
+one device's whatever compiles it.
 
 Each program runs in its own fresh process (JAX with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8``); a round runs all
@@ -46,11 +51,11 @@ def _backbone(hub, family: str):
 
 
 PROGRAMS = {"jax": "Keras on JAX, 2x4", "tensorflow": "Keras on TF with tfdist, 2x4",
-            "one_device": "Keras on TF, one device (no tfdist)"}
+            "one_device": "Keras on TF, one device (no tfdist)", "jax_one_device": "Keras on JAX, one device"}
 
 
 def worker(program: str, family: str, steps: int, blocks: int) -> None:
-    os.environ["KERAS_BACKEND"] = "jax" if program == "jax" else "tensorflow"
+    os.environ["KERAS_BACKEND"] = "jax" if program.startswith("jax") else "tensorflow"
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
     if program == "jax":
         os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
@@ -68,7 +73,7 @@ def worker(program: str, family: str, steps: int, blocks: int) -> None:
         import tfdist.keras  # noqa: F401  (keras.distribution on TensorFlow)
     backbone_cls = hub.GemmaBackbone if family == "gemma" else hub.LlamaBackbone
     lm_cls = hub.GemmaCausalLM if family == "gemma" else hub.LlamaCausalLM
-    if program != "one_device":
+    if program in ("jax", "tensorflow"):
         mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"], devices=keras.distribution.list_devices())
         keras.distribution.set_distribution(keras.distribution.ModelParallel(
             layout_map=backbone_cls.get_layout_map(mesh), batch_dim_name="batch"))
@@ -94,7 +99,9 @@ def worker(program: str, family: str, steps: int, blocks: int) -> None:
         times.append(seconds / steps * 1e3)
         losses.append(loss)
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print("RESULT " + json.dumps(dict(backend=program, first_epoch_s=first_s, step_ms=statistics.median(times),
+    step_ms = statistics.median(times)
+    print("RESULT " + json.dumps(dict(backend=program, first_epoch_s=first_s, step_ms=step_ms,
+                                      compile_s=first_s - steps * step_ms / 1e3,
                                       step_ms_blocks=times, peak_rss_mb=peak_mb, losses=losses)), flush=True)
 
 
@@ -125,13 +132,13 @@ def main() -> None:
 
     runs: dict[str, list[dict]] = {program: [] for program in PROGRAMS}
     for r in range(args.rounds):
-        order = list(PROGRAMS)[r % 3:] + list(PROGRAMS)[:r % 3]
+        order = list(PROGRAMS)[r % len(PROGRAMS):] + list(PROGRAMS)[:r % len(PROGRAMS)]
         for program in order:
             runs[program].append(_run(program, args.family, args.steps, args.blocks))
             print(f"round {r} {program}: {runs[program][-1]['step_ms']:.0f} ms/step, "
                   f"first epoch {runs[program][-1]['first_epoch_s']:.1f} s", flush=True)
         a = runs["jax"][-1]["losses"]
-        for program in ("tensorflow", "one_device"):
+        for program in ("tensorflow", "one_device", "jax_one_device"):
             b = runs[program][-1]["losses"]
             if max(abs(p - q) for p, q in zip(a, b)) > 1e-3 * max(1.0, abs(a[0])):
                 raise SystemExit(f"round {r}: the losses differ: jax {a} {program} {b}")
@@ -141,29 +148,35 @@ def main() -> None:
         rows.append({"run": label, "step ms (median of rounds)": round(statistics.median(r["step_ms"] for r in rs), 1),
                      "step ms range": [round(min(r["step_ms"] for r in rs), 1), round(max(r["step_ms"] for r in rs), 1)],
                      "first epoch s": round(statistics.median(r["first_epoch_s"] for r in rs), 1),
+                     "compile s": round(statistics.median(r["compile_s"] for r in rs), 1),
                      "peak RSS MB": round(statistics.median(r["peak_rss_mb"] for r in rs)),
                      "losses": rs[0]["losses"]})
-    def per_round(key: str, other: str) -> list[float]:
-        return [t[key] / o[key] for t, o in zip(runs["tensorflow"], runs[other])]
+    def per_round(key: str, other: str, this: str = "tensorflow") -> list[float]:
+        return [t[key] / o[key] for t, o in zip(runs[this], runs[other])]
 
     ratios = per_round("step_ms", "jax")
     meta = {"family": args.family, "config": {**CONFIG, "batch": BATCH, "seq": SEQ}, "rounds": args.rounds,
             "steps": args.steps, "blocks": args.blocks, "step ratio tfdist/jax per round": ratios,
             "first epoch ratio tfdist/jax per round": per_round("first_epoch_s", "jax"),
             "first epoch ratio tfdist/one device per round": per_round("first_epoch_s", "one_device"),
+            "compile ratio tfdist/one device per round": per_round("compile_s", "one_device"),
+            "first epoch ratio jax/jax one device per round": per_round("first_epoch_s", "jax_one_device", "jax"),
+            "compile ratio jax/jax one device per round": per_round("compile_s", "jax_one_device", "jax"),
             "runs": runs}
     path = write_results(f"keras_hub_{args.family}", rows, meta)
-    print("| run | step ms (median, range) | first epoch s | peak RSS MB |")
-    print("|---|---|---|---|")
+    print("| run | step ms (median, range) | first epoch s | compile s | peak RSS MB |")
+    print("|---|---|---|---|---|")
     for row in rows:
         lo, hi = row["step ms range"]
         print(f"| {row['run']} | {row['step ms (median of rounds)']} ({lo}-{hi}) | {row['first epoch s']} | "
-              f"{row['peak RSS MB']} |")
+              f"{row['compile s']} | {row['peak RSS MB']} |")
     for what, key in (("step time", "step ratio tfdist/jax per round"),
                       ("first epoch", "first epoch ratio tfdist/jax per round")):
         print(f"tfdist / JAX {what}, per round: {', '.join(f'{x:.2f}' for x in meta[key])}")
-    print(f"tfdist / one device first epoch, per round: "
-          f"{', '.join(f'{x:.2f}' for x in meta['first epoch ratio tfdist/one device per round'])} -> {path}")
+    for key in ("first epoch ratio tfdist/one device per round", "compile ratio tfdist/one device per round",
+                "first epoch ratio jax/jax one device per round", "compile ratio jax/jax one device per round"):
+        print(f"{key.replace(' per round', '')}, per round: {', '.join(f'{x:.2f}' for x in meta[key])}")
+    print(f"-> {path}")
 
 
 if __name__ == "__main__":
