@@ -106,6 +106,25 @@ def test_local_map_gradients_under_a_tape_equal_one_device(graph):
     np.testing.assert_allclose(DTensor._wrap(dw, w._spec).numpy(), want_dw.numpy(), rtol=1e-4, atol=1e-5)
 
 
+def test_local_map_uneven_shards_gradient_under_an_eager_tape_equals_one_device():
+    """The per-device form (uneven shards): the copies of an input along a Replicate mesh dim share one
+    gradient, as torch's ``to_local()`` reads it in local_map (it was summed over the 2 copies: 2x)."""
+    x_np = np.random.default_rng(2).normal(size=(6, 4)).astype(np.float32)
+    u = distribute_tensor(x_np, MESH, [Replicate(), Shard(0)])  # 6 rows over 4 devices: 2, 2, 1, 1
+    f = local_map(lambda t: tf.tanh(tf.transpose(t)), [Replicate(), Shard(1)])
+    xp = u._physical
+    with tf.GradientTape() as tape:
+        tape.watch(xp)
+        loss = tf.reduce_sum(f(DTensor._wrap(xp, u._spec)) ** 2)
+    grad = DTensor._wrap(tape.gradient(loss, xp), u._spec)
+    xr = tf.constant(x_np)
+    with tf.GradientTape() as tape:  # one device
+        tape.watch(xr)
+        want = tf.reduce_sum(tf.tanh(tf.transpose(xr)) ** 2)
+    np.testing.assert_allclose(float(loss.numpy()), want.numpy(), rtol=1e-5)
+    np.testing.assert_allclose(grad.full_tensor().numpy(), tape.gradient(want, xr).numpy(), rtol=1e-5, atol=1e-6)
+
+
 def test_local_map_bad_input():
     u = distribute_tensor(np.ones((6, 4), np.float32), MESH, [Replicate(), Shard(0)])
     # uneven shards run per device eagerly (exact), and are refused inside a tf.function, saying why

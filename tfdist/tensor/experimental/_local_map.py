@@ -389,7 +389,9 @@ def _per_device(func: Callable, args: list, kwargs: dict, out_placements, mesh: 
         raise NotImplementedError(
             "local_map's per-device form (uneven or multi-mesh-dim shards) needs a root mesh whose devices are "
             "all on this client, to add up the output's global shape; redistribute the inputs first.")
-    locals_ = [a.local_tensors() if isinstance(a, DTensor) else None for a in args]
+    # each device's shard, its gradient read with the input's own placements, as torch's local_map
+    # reads ``to_local()``: the copies along a Replicate mesh dim hold one gradient, not a sum
+    locals_ = [a.local_tensors(grad_placements=a.placements) if isinstance(a, DTensor) else None for a in args]
     results = [func(*[a if loc is None else loc[i] for a, loc in zip(args, locals_)], **kwargs)
                for i in range(len(mesh.local_device_ids()))]
     single = isinstance(results[0], tf.Tensor)
