@@ -211,7 +211,6 @@ def local_map(
     if not isinstance(jit_compile, bool):
         raise TypeError(f"jit_compile must be True or False. Received: jit_compile={jit_compile!r}")
     programs: dict = {}  # input signature -> PerDeviceProgram (jit_compile=True)
-    traced: list = []  # the eager vectorised call's TracedCall, made at the first eager call
 
     # tf.vectorized_map converts ``func`` with autograph itself; the plumbing
     # around it must not be converted.
@@ -262,9 +261,7 @@ def local_map(
         platform = xla_platform(root.device_type) if jit_compile else None
         if platform is None:
             if tf.executing_eagerly():  # one program; its backward traced with it (_traced_call)
-                if not traced:
-                    traced.append(TracedCall(vectorised))
-                return traced[0](mesh, *prepared, **kwargs)
+                return traced(mesh, *prepared, **kwargs)
             return vectorised(mesh, *prepared, **kwargs)
         _, values, arg_dims, have = _stacked_views(prepared)
         try:
@@ -280,6 +277,7 @@ def local_map(
         result = _nested_map(lambda *xs: func(*xs, **kwargs), device_dims, values, arg_dims)
         return _wrap_outputs(result, out_placements, have, mesh, mesh.root_mesh)
 
+    traced = TracedCall(vectorised)  # the eager vectorised call (traced at its first call)
     return wrapped
 
 
