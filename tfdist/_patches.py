@@ -140,6 +140,11 @@ PATCHES: tuple[Patch, ...] = (
           ("self", "tensor_inputs", "captured_inputs"), "process",
           "plain eager tensors passed to a tf.function on DTensors are replicated onto their mesh "
           "(torch's Replicate annotation; TF DTensor refuses them)", "tensorflow 2.21"),
+    Patch("tensorflow.python.eager.polymorphic_function.polymorphic_function", "Function", "__call__",
+          ("self", "args", "kwds"), "process",
+          "a program TF DTensor's SPMD expansion refuses is traced again with the refused ops' layouts pinned "
+          "to ones their expanders accept (tfdist/tensor/_legalize.py); other programs run as traced",
+          "tensorflow 2.21"),
     Patch("tensorflow.python.eager.backprop", "GradientTape", "gradient",
           ("self", "target", "sources", "output_gradients", "unconnected_gradients"), "process",
           "an eager tape seeds a DTensor target's gradient with a DTensor (TF's host seed fails in eager DTensor)",

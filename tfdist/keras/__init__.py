@@ -43,6 +43,7 @@ if keras.backend.backend() != "tensorflow":
     )
 _patches.check_versions()
 
+from tfdist.tensor import _legalize  # noqa: E402
 from tfdist.keras import (  # noqa: E402
     _backend, _callbacks, _expandable_ops, _host_tensors, _optimizer, _random_layers, _saving, _trainer, _variables,
 )
@@ -56,6 +57,7 @@ _callbacks.install()
 _host_tensors.install()
 _random_layers.install()
 _expandable_ops.install()
+_legalize.install()
 _saving.install()
 
 from tfdist.keras import _modules  # noqa: E402,F401  (registers the Keras ModuleBackend)

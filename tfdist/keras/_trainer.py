@@ -29,6 +29,7 @@ from tfdist.device_mesh import DeviceMesh
 from tfdist.keras import _compiled_forward, _data, _offload_step, _variables
 from tfdist.keras._backend import tfdist_mesh, traced_like_keras
 from tfdist.keras._loss_reduction import mean_loss_reduction
+from tfdist.tensor import _legalize
 from tfdist.tensor.parallel.loss import loss_parallel
 from tfdist.tensor.parallel.style import replicated_batch
 
@@ -245,6 +246,15 @@ def _through_concrete(function, tracing=contextlib.nullcontext, calling=contextl
     the independent all-reduces of each program (``_combining``)."""
     concrete: dict = {}
     unkeyed = _combining(function) if combine else function
+    legalizer = _legalize.Legalizer(function)
+
+    def first_call(function, data):
+        """A new signature's program: traced, then called once (where TF DTensor expands it)."""
+        with tracing():
+            program = _flat_caller(function.get_concrete_function(data), data)
+            program = _combining(program) if combine else program
+        with calling():
+            return program, program(data)
 
     def call(data):
         try:
@@ -254,9 +264,9 @@ def _through_concrete(function, tracing=contextlib.nullcontext, calling=contextl
                 return unkeyed(data)
         program = concrete.get(key)
         if program is None:
-            with tracing():
-                program = _flat_caller(function.get_concrete_function(data), data)
-                program = concrete[key] = _combining(program) if combine else program
+            program, outputs = legalizer.run(lambda function: first_call(function, data), args=data)
+            concrete[key] = program
+            return outputs
         with calling():
             return program(data)
 

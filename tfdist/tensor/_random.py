@@ -10,7 +10,13 @@ distribution.  No full-size tensor, no communication, and the same global
 tensor on 1 device, on 8, on a 2x4 mesh, sharded any way.
 
 The hash is Wellons' "lowbias32" finaliser applied twice with the seed
-mixed in between (uint32 arithmetic, which TF runs on every device type).
+mixed in between: 32-bit unsigned arithmetic carried in int32 tensors (wrapping
+add and multiply, xor, and a right shift that clears the sign bits it brings in
+give the same bits).  Not uint32: where TF DTensor's layout propagation gathers
+a hash value to another layout, it lowers the gather to ``CollectiveGatherV2``,
+which has no uint32 kernel ("operand #0 must be tensor of ... 32-bit integer
+... values, but got 'tensor<8x8x8xui32>'", keras-hub's GPT-2 dropout under a
+layout map); it has int32.
 Indices are taken modulo 2**32, so tensors with more than 4e9 elements
 repeat their stream.
 
@@ -37,23 +43,30 @@ from tfdist.tensor.placement_types import Replicate, Shard
 __all__ = ["uniform_bits", "uniform", "normal", "truncated_normal", "dropout", "draw_like", "next_seed",
            "reset_seed_states", "traced_unit", "vectorised_group", "group_seed"]
 
-_U32 = tf.uint32
+_U32 = tf.int32  # the carrier of 32-bit unsigned values (see above)
 
 
 def _c(v: int) -> tf.Tensor:
-    return tf.constant(v & 0xFFFFFFFF, _U32)
+    """The 32-bit unsigned ``v`` in the carrier (two's complement)."""
+    v &= 0xFFFFFFFF
+    return tf.constant(v - (1 << 32) if v >= 1 << 31 else v, _U32)
+
+
+def _shr(x: tf.Tensor, k: int) -> tf.Tensor:
+    """Logical right shift of 32-bit unsigned values held in int32 (TF's int32 shift is arithmetic)."""
+    return tf.bitwise.bitwise_and(tf.bitwise.right_shift(x, _c(k)), _c((1 << (32 - k)) - 1))
 
 
 def _lowbias32(x: tf.Tensor) -> tf.Tensor:
-    x = tf.bitwise.bitwise_xor(x, tf.bitwise.right_shift(x, _c(16)))
+    x = tf.bitwise.bitwise_xor(x, _shr(x, 16))
     x = x * _c(0x7FEB352D)
-    x = tf.bitwise.bitwise_xor(x, tf.bitwise.right_shift(x, _c(15)))
+    x = tf.bitwise.bitwise_xor(x, _shr(x, 15))
     x = x * _c(0x846CA68B)
-    return tf.bitwise.bitwise_xor(x, tf.bitwise.right_shift(x, _c(16)))
+    return tf.bitwise.bitwise_xor(x, _shr(x, 16))
 
 
 def _global_index(spec: DTensorSpec) -> tf.Tensor:
-    """uint32 physical tensor (spec's layout, no Partial) of each element's flat global index."""
+    """32-bit (carrier) physical tensor (spec's layout, no Partial) of each element's flat global index."""
     root = spec.mesh.root_mesh
     ndim = len(spec.shape)
     strides = [math.prod(spec.shape[d + 1:]) for d in range(ndim)]
@@ -66,7 +79,7 @@ def _global_index(spec: DTensorSpec) -> tf.Tensor:
             placements = [Replicate()] * root.ndim
             placements[m] = Shard(0)
             iota = dtensor.relayout(iota, physical_layout(root, placements, 1))
-        term = tf.cast(iota * strides[d] % (1 << 32), _U32)
+        term = _c32(iota * strides[d] % (1 << 32))
         shape = [1] * ndim
         shape[d] = spec.padded_size(d)
         term = tf.reshape(term, shape)
@@ -76,8 +89,13 @@ def _global_index(spec: DTensorSpec) -> tf.Tensor:
     return dtensor.relayout(index, spec.tf_layout)
 
 
+def _c32(x: tf.Tensor) -> tf.Tensor:
+    """int64 values in [0, 2**32) -> the carrier (their low 32 bits)."""
+    return tf.cast(tf.where(x >= 1 << 31, x - (1 << 32), x), _U32)
+
+
 def uniform_bits(spec: DTensorSpec, seed: tuple[int, int], stream: int = 0) -> tf.Tensor:
-    """uint32 hash of (seed, stream, global index) with ``spec``'s physical layout."""
+    """32-bit hash of (seed, stream, global index) with ``spec``'s physical layout."""
     k0 = (seed[0] * 0x9E3779B9 + stream * 0x85EBCA6B) & 0xFFFFFFFF
     k1 = (seed[1] * 0xC2B2AE35 + 0x27D4EB2F) & 0xFFFFFFFF
     return _lowbias32(tf.bitwise.bitwise_xor(_lowbias32(_global_index(spec) + _c(k0)), _c(k1)))
@@ -85,7 +103,7 @@ def uniform_bits(spec: DTensorSpec, seed: tuple[int, int], stream: int = 0) -> t
 
 def _unit(bits: tf.Tensor, dtype: tf.DType, open_low: bool) -> tf.Tensor:
     """24 high bits -> [0, 1) (or (0, 1) when ``open_low``)."""
-    top = tf.cast(tf.bitwise.right_shift(bits, _c(8)), dtype)
+    top = tf.cast(_shr(bits, 8), dtype)
     return (top + (0.5 if open_low else 0.0)) * (2.0 ** -24)
 
 
@@ -117,7 +135,7 @@ def truncated_normal(spec: DTensorSpec, seed: tuple[int, int], dtype: tf.DType, 
 
 
 def _flat_index(shape: tf.Tensor, mesh: dtensor.Mesh | None) -> tf.Tensor:
-    """uint32 flat row-major index of every element of a tensor of (dynamic) ``shape``.
+    """32-bit (carrier) flat row-major index of every element of a tensor of (dynamic) ``shape``.
 
     One ``range`` per dim, pinned replicated on ``mesh`` (DTensor cannot
     expand a sharded Range), broadcast-added: layout propagation gives the
@@ -194,8 +212,8 @@ def _group_offset(shape) -> tf.Tensor:
 
 
 def _seeded_bits(shape, seed: tf.Tensor, mesh: dtensor.Mesh | None, offset: tf.Tensor | None = None) -> tf.Tensor:
-    """uint32 hash of (seed tensor, flat global index) for every element of ``shape``; ``offset``
-    (uint32) is added to every index."""
+    """32-bit hash of (seed tensor, flat global index) for every element of ``shape``; ``offset``
+    (carrier) is added to every index."""
     seed = tf.cast(seed, _U32)
     k0 = seed[0] * _c(0x9E3779B9) + _c(0x85EBCA6B)
     k1 = seed[1] * _c(0xC2B2AE35) + _c(0x27D4EB2F)
@@ -203,10 +221,16 @@ def _seeded_bits(shape, seed: tf.Tensor, mesh: dtensor.Mesh | None, offset: tf.T
     return _lowbias32(tf.bitwise.bitwise_xor(_lowbias32(index + k0), k1))
 
 
+def _at_least(bits: tf.Tensor, threshold: int) -> tf.Tensor:
+    """``bits >= threshold`` as 32-bit unsigned values: int32 with the sign bit flipped."""
+    flipped = tf.bitwise.bitwise_xor(bits, tf.constant(-(2**31), tf.int32))
+    return flipped >= tf.constant(threshold - 2**31, tf.int32)
+
+
 def _dropout_fn(mesh: dtensor.Mesh | None):
     @tf.function(autograph=False)
     def drop(x: tf.Tensor, rate: float, noise_shape: tf.Tensor, seed: tf.Tensor, offset: tf.Tensor) -> tf.Tensor:
-        keep = _seeded_bits(noise_shape, seed, mesh, offset) >= _c(min(int(rate * 2.0**32), 0xFFFFFFFF))
+        keep = _at_least(_seeded_bits(noise_shape, seed, mesh, offset), min(int(rate * 2.0**32), 0xFFFFFFFF))
         return tf.where(keep, x / tf.cast(1.0 - rate, x.dtype), tf.zeros_like(x))
 
     return drop

@@ -1,0 +1,220 @@
+"""keras-hub's backbones, enumerated from its exports and built tiny from their signatures, with
+layout maps written as a user writes them (keras-hub's Llama pattern) or drawn at random.
+
+Used by tests/keras/test_keras_hub_zoo.py; ``python tests/keras/hub_zoo.py`` prints the family
+x case table docs/keras.md quotes.
+"""
+
+from __future__ import annotations
+
+import tfdist
+
+if __name__ == "__main__":
+    tfdist.virtual_cpus(8)  # before TF lists its devices
+
+import inspect
+import json
+import re
+import sys
+import time
+import warnings
+from typing import Any
+
+import keras
+import numpy as np
+from tensorflow.experimental import dtensor
+
+import keras_hub
+import tfdist.keras  # noqa: F401  (the TF backend of keras.distribution)
+from tfdist.keras import _variables
+
+VOCAB, SEQ, BATCH = 64, 8, 16
+
+# tiny values for the config arguments backbones share, by parameter name
+TINY = {
+    "vocabulary_size": VOCAB, "num_layers": 2, "num_heads": 4, "num_query_heads": 4, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "hidden_dim": 32, "intermediate_dim": 64, "head_dim": 8,
+    "max_sequence_length": 32, "dropout": 0.0, "num_segments": 2, "embedding_dim": 32, "num_experts": 4,
+    "moe_intermediate_dim": 16, "shared_expert_intermediate_dim": 32, "attention_bias": False, "head_size": 8,
+    "hidden_size": 32, "num_groups": 1,
+}
+
+# backbones that do not build from TINY on one device, with the reason (checked by the zoo test:
+# an entry whose family now builds is an error, so the list only shrinks)
+SKIP: dict[str, str] = {}
+
+
+def text_backbones() -> list[str]:
+    """Names of keras-hub's exported ``*Backbone`` classes whose inputs are token ids."""
+    names = []
+    for name in sorted(dir(keras_hub.models)):
+        cls = getattr(keras_hub.models, name)
+        if not (name.endswith("Backbone") and inspect.isclass(cls) and name != "Backbone"):
+            continue
+        params = inspect.signature(cls.__init__).parameters
+        if "vocabulary_size" in params:
+            names.append(name)
+    return names
+
+
+def tiny_config(name: str) -> dict[str, Any] | str:
+    """The backbone's constructor arguments from TINY, or why it cannot be built from them."""
+    cls = getattr(keras_hub.models, name)
+    config = {}
+    for param in list(inspect.signature(cls.__init__).parameters.values())[1:]:
+        if param.kind in (param.VAR_KEYWORD, param.VAR_POSITIONAL):
+            continue
+        if param.name in TINY:
+            config[param.name] = TINY[param.name]
+        elif param.default is param.empty:
+            return f"needs {param.name}"
+    return config
+
+
+def build(name: str) -> keras.Model:
+    config = tiny_config(name)
+    if isinstance(config, str):
+        raise ValueError(config)
+    keras.utils.set_random_seed(0)
+    return getattr(keras_hub.models, name)(**config)
+
+
+def inputs_for(backbone: keras.Model) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    data = {}
+    for spec in backbone.inputs:
+        key = spec.name.split(":")[0]
+        if "float" in str(spec.dtype):
+            sizes = [BATCH, SEQ * 4]
+            shape = [sizes[i] if d is None else d for i, d in enumerate(spec.shape)]
+            data[key] = rng.standard_normal(shape).astype(str(spec.dtype))
+        elif key.endswith("_mask"):
+            data[key] = np.ones((BATCH, SEQ), "int32")
+        elif "segment" in key:
+            data[key] = np.zeros((BATCH, SEQ), "int32")
+        else:
+            data[key] = rng.integers(0, VOCAB, (BATCH, SEQ)).astype("int32")
+    return data
+
+
+def llama_pattern_map(backbone: keras.Model, mesh: Any) -> keras.distribution.LayoutMap:
+    """A map in the pattern of keras-hub's ``LlamaBackbone.get_layout_map`` from the variables'
+    paths and shapes: token embeddings ``(model, batch)``, q/k/v kernels ``(model, batch, None)``,
+    attention output ``(model, None, batch)``, dense kernels widening the hidden dim
+    ``(batch, model)``, those narrowing it ``(model, batch)``."""
+    layout_map = keras.distribution.LayoutMap(mesh)
+    hidden = TINY["hidden_dim"]
+    for v in backbone.weights:
+        path, shape = v.path, tuple(v.shape)
+        key = "^" + re.escape(path) + "$"
+        if len(shape) == 2 and "embedding" in path and "position" not in path and shape[0] == VOCAB:
+            layout_map[key] = ("model", "batch")
+        elif len(shape) == 3 and shape[0] == hidden:
+            layout_map[key] = ("model", "batch", None)
+        elif len(shape) == 3 and shape[-1] == hidden:
+            layout_map[key] = ("model", None, "batch")
+        elif len(shape) == 2 and shape[0] == hidden and shape[1] > hidden:
+            layout_map[key] = ("batch", "model")
+        elif len(shape) == 2 and shape[1] == hidden and shape[0] > hidden:
+            layout_map[key] = ("model", "batch")
+    return layout_map
+
+
+def random_map(backbone: keras.Model, mesh: Any, rng: np.random.Generator) -> keras.distribution.LayoutMap:
+    """Every dim of every >= 2-D weight gets a mesh axis or None at random, each axis at most once
+    per weight."""
+    layout_map = keras.distribution.LayoutMap(mesh)
+    for v in backbone.weights:
+        if len(v.shape) < 2:
+            continue
+        axes: list[str | None] = [None] * len(v.shape)
+        for axis in mesh.axis_names:
+            dim = int(rng.integers(0, len(v.shape) + 1))
+            if dim < len(v.shape) and axes[dim] is None:
+                axes[dim] = axis
+        layout_map["^" + re.escape(v.path) + "$"] = tuple(axes)
+    return layout_map
+
+
+def trainable(backbone: keras.Model) -> keras.Model:
+    """The backbone with one output (a seq2seq's decoder sequence, an encoder's sequence)."""
+    out = backbone.output
+    if isinstance(out, dict):
+        key = next((k for k in ("decoder_sequence_output", "sequence_output") if k in out), sorted(out)[0])
+        out = out[key]
+    return keras.Model(backbone.inputs, out)
+
+
+def _target(model: keras.Model, data) -> np.ndarray:
+    out = keras.ops.convert_to_numpy(model(data))
+    return np.random.default_rng(1).standard_normal(out.shape).astype(out.dtype)
+
+
+def _train(model: keras.Model, data, target) -> list[float]:
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    history = model.fit(data, target, batch_size=hub_zoo.BATCH, epochs=2, verbose=0, shuffle=False)
+    return history.history["loss"]
+
+
+def _held_axes(variable) -> tuple:
+    specs = _variables.layout_of(variable._value).sharding_specs
+    return tuple(None if s == dtensor.UNSHARDED else s for s in specs)
+
+
+def check(name: str, mesh_shape: tuple[int, int], kind: str) -> None:
+    """Raises AssertionError where the family under the map differs from one device."""
+    one = hub_zoo.trainable(hub_zoo.build(name))
+    data = hub_zoo.inputs_for(one)
+    start = one.get_weights()
+    target = _target(one, data)
+    eager, predicted = keras.ops.convert_to_numpy(one(data)), one.predict(data, verbose=0)
+    losses = _train(one, data, target)
+
+    mesh = keras.distribution.DeviceMesh(mesh_shape, ["batch", "model"])
+    backbone = hub_zoo.build(name)
+    layout_map = (hub_zoo.llama_pattern_map(backbone, mesh) if kind == "llama"
+                  else hub_zoo.random_map(backbone, mesh, np.random.default_rng(sum(map(ord, name)))))
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map,
+                                                                         batch_dim_name="batch"))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            model = hub_zoo.trainable(hub_zoo.build(name))
+            model.set_weights(start)
+            for v in model.weights:
+                expected = layout_map[v.path]
+                if expected is not None:
+                    assert _held_axes(v) == tuple(expected.axes), (v.path, _held_axes(v), expected.axes)
+            np.testing.assert_allclose(keras.ops.convert_to_numpy(model(data)), eager, atol=1e-4)
+            np.testing.assert_allclose(model.predict(data, verbose=0), predicted, atol=1e-4)
+            np.testing.assert_allclose(_train(model, data, target), losses, rtol=1e-4, atol=1e-5)
+            for a, b in zip(one.get_weights(), model.get_weights()):
+                np.testing.assert_allclose(b, a, atol=1e-4)
+    finally:
+        keras.distribution.set_distribution(None)
+
+
+def main(out: str) -> None:
+    """Every family x mesh x map kind; writes {case: "ok" or the first line of the failure}."""
+    results = {}
+    for name in text_backbones():
+        config = tiny_config(name)
+        for shape in ((2, 4), (4, 2), (1, 8)):
+            for kind in ("llama", "random"):
+                case = f"{name}-{shape[0]}x{shape[1]}-{kind}"
+                if isinstance(config, str):
+                    results[case] = f"skipped: {config}"
+                    continue
+                began = time.perf_counter()
+                try:
+                    check(name, shape, kind)
+                    results[case] = "ok"
+                except Exception as e:  # noqa: BLE001  (a table of what fails, by family)
+                    results[case] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
+                print(case, results[case], f"{time.perf_counter() - began:.0f} s", flush=True)
+                with open(out, "w") as f:
+                    json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "zoo_results.json")
