@@ -130,6 +130,11 @@ PATCHES: tuple[Patch, ...] = (
           "the optimizer's own variables (iterations, learning rate) join the mesh of the variables it trains"),
     Patch("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer", "_make_function", ("self", "step_function"),
           "process", "batches fed as DTensors from an eager iterator (TF DTensor cannot lay out IteratorGetNext)"),
+    Patch("keras.src.trainers.trainer", "Trainer", "compile",
+          ("self", "optimizer", "loss", "loss_weights", "metrics", "weighted_metrics", "run_eagerly",
+           "steps_per_execution", "jit_compile", "auto_scale_loss"), "process",
+          "a model built inside a distribution's scope and compiled outside it makes its optimizer and "
+          "metrics under that distribution, as Keras does inside the scope"),
     Patch("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer", "make_predict_function", ("self", "force"),
           "process", "predict batches fed as DTensors, outputs gathered"),
     Patch("keras.src.callbacks.callback_list", "CallbackList", "__init__",

@@ -48,6 +48,7 @@ class VariableState:
     logical_shape: tuple[int, ...] | None = None  # a DVariable stored padded: the shape Keras sees
     replicas_of: Any = None  # DistributedDataParallel's stacked replicas [R, ...] of this module variable
     device_layout: Any = None  # CPU offload: stored on the host mesh; the layout of its per-step device copy
+    laid_out_by: Any = None  # the keras distribution whose layout the variable was created with
 
 
 @dataclasses.dataclass

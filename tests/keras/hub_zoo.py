@@ -194,13 +194,13 @@ def check(name: str, mesh_shape: tuple[int, int], kind: str) -> None:
         keras.distribution.set_distribution(None)
 
 
-def main(out: str) -> None:
+def main(out: str, meshes: str = "2x4,4x2,1x8", kinds: str = "llama,random") -> None:
     """Every family x mesh x map kind; writes {case: "ok" or the first line of the failure}."""
     results = {}
     for name in text_backbones():
         config = tiny_config(name)
-        for shape in ((2, 4), (4, 2), (1, 8)):
-            for kind in ("llama", "random"):
+        for shape in [tuple(int(n) for n in m.split("x")) for m in meshes.split(",")]:
+            for kind in kinds.split(","):
                 case = f"{name}-{shape[0]}x{shape[1]}-{kind}"
                 if isinstance(config, str):
                     results[case] = f"skipped: {config}"
@@ -217,4 +217,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "zoo_results.json")
+    main(*sys.argv[1:])  # out.json [meshes, e.g. 2x4,4x2] [kinds, e.g. llama,random]

@@ -354,3 +354,37 @@ def test_keras_distribution_initialize_names_the_bad_argument(kwargs, match, mon
         keras.distribution.initialize(**kwargs)
     assert "DTENSOR_NUM_CLIENTS" not in os.environ  # nothing half-set
     assert keras.distribution.list_devices("cpu") == [f"cpu:{i}" for i in range(8)]
+
+
+@pytest.mark.parametrize("compiled_in_scope", [False, True], ids=["compiled-outside", "compiled-inside"])
+def test_a_model_built_in_a_distribution_scope_trains_outside_it_like_one_device(compiled_in_scope):
+    """keras-hub's documented usage: build under ``distribution.scope()``, compile and fit after it.
+    The model keeps the distribution its variables were laid out by (batches split over
+    ``batch``, optimizer and metrics made under it): SGD losses and weights as one device's."""
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((32, 8)).astype("float32"), rng.standard_normal((32, 4)).astype("float32")
+
+    def build():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, name="d1"), keras.layers.Dense(4, name="d2")])
+
+    def fit(model):
+        if not model.compiled:
+            model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        return model.fit(x, y, batch_size=8, epochs=3, verbose=0, shuffle=False).history["loss"]
+
+    reference = build()
+    ref_losses = fit(reference)
+    mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["d1/kernel"] = (None, "model")
+    distribution = keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+    with distribution.scope():
+        model = build()
+        if compiled_in_scope:
+            model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    assert keras.distribution.distribution() is None
+    np.testing.assert_allclose(fit(model), ref_losses, rtol=1e-5)
+    for a, b in zip(reference.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(b, a, atol=1e-5)
+    np.testing.assert_allclose(model.predict(x, verbose=0), reference.predict(x, verbose=0), atol=1e-5)

@@ -14,6 +14,7 @@ unchanged.
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import warnings
 import weakref
@@ -36,9 +37,36 @@ from tfdist.tensor.parallel.style import replicated_batch
 __all__ = ["install", "mesh_of", "check_layout_map", "is_distributed"]
 
 
+def _in_model_distribution(model, run):
+    """``run`` inside the distribution ``model``'s variables were laid out by, where no other is
+    active (a model built in ``distribution.scope()``, fit outside it): Keras' and tfdist's
+    traced code asks ``keras.distribution.distribution()`` and must get the model's."""
+    if _registry.distribution_of(model) is not None or keras.distribution.distribution() is not None:
+        return run
+    distribution = distribution_of(model)
+    if distribution is None:
+        return run
+
+    def scoped(*args, **kwargs):
+        with distribution.scope():
+            return run(*args, **kwargs)
+
+    scoped.__dict__.update(getattr(run, "__dict__", {}))
+    return scoped
+
+
 def distribution_of(model):
-    """The model's own distribution (parallelize_module gives one), else the global one."""
-    return _registry.distribution_of(model) or keras.distribution.distribution()
+    """The model's own distribution (parallelize_module gives one), else the global one, else the
+    one its variables were laid out by: a model built inside ``distribution.scope()`` and compiled
+    or fit outside it (keras-hub's documented usage) splits its batches as it did inside."""
+    own = _registry.distribution_of(model) or keras.distribution.distribution()
+    if own is not None:
+        return own
+    for variable in model.variables:
+        state = _registry.variable_if_any(variable)
+        if state is not None and state.laid_out_by is not None:
+            return state.laid_out_by
+    return None
 
 
 def mesh_of(model):
@@ -442,7 +470,7 @@ def install() -> None:
 
         function.one_step = one_step
         function.feeds = feeds
-        return function
+        return _in_model_distribution(self, function)
 
     def make_predict_function(self, force=False):
         if not is_distributed(self):
@@ -464,8 +492,14 @@ def install() -> None:
             # Keras concatenates and converts host tensors after the loop
             return tf.nest.map_structure(tf.convert_to_tensor, outputs)
 
-        self.predict_function = predict_function
-        return predict_function
+        self.predict_function = _in_model_distribution(self, predict_function)
+        return self.predict_function
 
+    original_compile = _patches.original("keras.src.trainers.trainer:Trainer.compile")
+
+    def compile(self, *args, **kwargs):
+        return _in_model_distribution(self, functools.partial(original_compile, self))(*args, **kwargs)
+
+    _patches.install("keras.src.trainers.trainer:Trainer.compile", compile)
     _patches.install(trainer + "_make_function", _make_function)
     _patches.install(trainer + "make_predict_function", make_predict_function)

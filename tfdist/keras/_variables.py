@@ -230,6 +230,7 @@ def _pick_layout(variable: Any) -> dtensor.Layout | None:
         )
     tf_layout = _as_tf_layout(layout)
     _gather_where_used(tf_layout, distribution, layer)
+    _registry.variable(variable).laid_out_by = distribution  # a model built in its scope keeps it
     return tf_layout
 
 
