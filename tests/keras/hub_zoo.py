@@ -1,7 +1,7 @@
 """keras-hub's backbones, enumerated from its exports and built tiny from their signatures, with
 layout maps written as a user writes them (keras-hub's Llama pattern) or drawn at random.
 
-Used by tests/keras/test_keras_hub_zoo.py; ``python tests/keras/hub_zoo.py`` prints the family
+Used by tests/keras/test_keras_py; ``python tests/keras/py`` prints the family
 x case table docs/keras.md quotes.
 """
 
@@ -152,7 +152,7 @@ def _target(model: keras.Model, data) -> np.ndarray:
 
 def _train(model: keras.Model, data, target) -> list[float]:
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-    history = model.fit(data, target, batch_size=hub_zoo.BATCH, epochs=2, verbose=0, shuffle=False)
+    history = model.fit(data, target, batch_size=BATCH, epochs=2, verbose=0, shuffle=False)
     return history.history["loss"]
 
 
@@ -163,23 +163,23 @@ def _held_axes(variable) -> tuple:
 
 def check(name: str, mesh_shape: tuple[int, int], kind: str) -> None:
     """Raises AssertionError where the family under the map differs from one device."""
-    one = hub_zoo.trainable(hub_zoo.build(name))
-    data = hub_zoo.inputs_for(one)
+    one = trainable(build(name))
+    data = inputs_for(one)
     start = one.get_weights()
     target = _target(one, data)
     eager, predicted = keras.ops.convert_to_numpy(one(data)), one.predict(data, verbose=0)
     losses = _train(one, data, target)
 
     mesh = keras.distribution.DeviceMesh(mesh_shape, ["batch", "model"])
-    backbone = hub_zoo.build(name)
-    layout_map = (hub_zoo.llama_pattern_map(backbone, mesh) if kind == "llama"
-                  else hub_zoo.random_map(backbone, mesh, np.random.default_rng(sum(map(ord, name)))))
+    backbone = build(name)
+    layout_map = (llama_pattern_map(backbone, mesh) if kind == "llama"
+                  else random_map(backbone, mesh, np.random.default_rng(sum(map(ord, name)))))
     keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map,
                                                                          batch_dim_name="batch"))
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            model = hub_zoo.trainable(hub_zoo.build(name))
+            model = trainable(build(name))
             model.set_weights(start)
             for v in model.weights:
                 expected = layout_map[v.path]

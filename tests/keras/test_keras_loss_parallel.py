@@ -274,3 +274,51 @@ def test_a_layout_map_with_class_sharded_float64_logits_trains_like_one_device(f
     assert model.get_layer("head").kernel.dtype == "float64"
     np.testing.assert_allclose(got, want, rtol=1e-10)
     assert max_weight_diff(ref, model) < 1e-10
+
+
+_FORMS = {
+    "keras function": lambda y, p: keras.losses.sparse_categorical_crossentropy(y, p, from_logits=True),
+    "tf.nn": lambda y, p: tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=p),
+    "keras class": lambda y, p: keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)(y, p),
+}
+
+
+@pytest.mark.parametrize("form", list(_FORMS))
+@pytest.mark.parametrize("logits_kind", ["tfdist DTensor", "TF DTensor"])
+@pytest.mark.parametrize("labels_kind", ["host", "TF DTensor over dp"])
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
+def test_every_sparse_cross_entropy_form_on_class_sharded_logits(form, logits_kind, labels_kind, traced):
+    """torch's loss_parallel example form (a DTensor sharded on its class dim), a raw TF DTensor,
+    host or distributed labels, eager or traced: per-example losses and the logits' gradient as
+    numpy's."""
+    from tensorflow.experimental import dtensor
+
+    mesh = tfdist.init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal((8, 16)).astype("float32")
+    labels = rng.integers(0, 16, (8,)).astype("int32")
+    shifted = np.exp(logits - logits.max(1, keepdims=True))
+    softmax = shifted / shifted.sum(1, keepdims=True)
+    expected = -np.log(softmax[np.arange(8), labels])
+    expected_grad = softmax - np.eye(16, dtype="float32")[labels]
+
+    sharded = distribute_tensor(logits, mesh, [Replicate(), Shard(1)])
+    x = sharded if logits_kind == "tfdist DTensor" else tf.convert_to_tensor(sharded)
+    y = tf.constant(labels)
+    if labels_kind != "host":
+        y = dtensor.relayout(dtensor.copy_to_mesh(y, dtensor.Layout.replicated(mesh.to_tf(), 1)),
+                             dtensor.Layout(["dp"], mesh.to_tf()))
+    raw = tf.convert_to_tensor(x)
+
+    def loss_and_grad(y, raw):
+        with tf.GradientTape() as tape:
+            tape.watch(raw)
+            loss = _FORMS[form](y, raw if logits_kind == "TF DTensor" else x)
+            total = tf.reduce_sum(tf.convert_to_tensor(loss))
+        return loss, tape.gradient(total, raw) if logits_kind == "TF DTensor" else None
+
+    with loss_parallel():
+        loss, grad = tf.function(loss_and_grad)(y, raw) if traced else loss_and_grad(y, raw)
+    np.testing.assert_allclose(gather_to_numpy(tf.convert_to_tensor(loss)), expected, rtol=1e-5, atol=1e-6)
+    if grad is not None:
+        np.testing.assert_allclose(gather_to_numpy(grad), expected_grad, rtol=1e-5, atol=1e-6)

@@ -23,6 +23,7 @@ import threading
 from typing import Iterator
 
 import tensorflow as tf
+from tensorflow.experimental import dtensor
 
 from tfdist import _patches
 from tfdist.tensor._modules import loaded_backends
@@ -40,6 +41,7 @@ def sharded_cross_entropy(labels: tf.Tensor, logits: tf.Tensor, axis: int = -1) 
     axis = axis % logits.shape.rank
     classes = logits.shape[axis]
     _check_labels(labels, classes)
+    labels = _on_logits_mesh(labels, logits)
     one_hot = tf.one_hot(tf.cast(labels, tf.int32), classes, dtype=logits.dtype, axis=axis)
 
     @tf.custom_gradient
@@ -75,6 +77,15 @@ def sharded_cross_entropy(labels: tf.Tensor, logits: tf.Tensor, axis: int = -1) 
         lab = tf.cast(labels, loss.dtype)
         loss = loss * (1.0 + 0.0 * tf.sqrt(tf.minimum(lab, classes - 1.0 - lab) + 0.5))
     return loss
+
+
+def _on_logits_mesh(labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
+    """Eager host labels beside DTensor logits, replicated onto the logits' mesh (torch's
+    Replicate annotation; eager TF DTensor refuses an op mixing the two)."""
+    if not tf.executing_eagerly() or not dtensor.is_dtensor(logits) or dtensor.is_dtensor(labels):
+        return labels
+    mesh = dtensor.fetch_layout(logits).mesh
+    return dtensor.copy_to_mesh(labels, dtensor.Layout.replicated(mesh, labels.shape.rank))
 
 
 def _check_labels(labels: tf.Tensor, classes: int) -> None:
