@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from typing import Any
+from typing import Any, Callable
 
 import tensorflow as tf
 from tensorflow.experimental import dtensor
@@ -57,6 +57,26 @@ _initialized_device_type: str | None = None
 # to keep TF's default lowering.
 if os.environ.get("TFDIST_GATHER_LOWERING", "gather") != "reduce":
     os.environ.setdefault("LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2", "1")
+
+
+_GATHER_SWITCH = "LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2"
+
+
+def all_reduce_gather_lowering() -> Callable[[], None]:
+    """Turns the CollectiveGatherV2 lowering off until the returned function is called.
+
+    CollectiveGatherV2 of an empty tensor kills the process (SIGSEGV; a relayout of a zero-size
+    batch-sharded tensor, keras-hub Gemma 3's ``generate`` without images), while TF's default
+    lowering (an all-reduce) handles it; a program holding empty tensors is expanded with the
+    default (``tensor/_legalize.py``).  TF reads the switch at each lowering, so it holds for the
+    programs expanded before the call."""
+    value = os.environ.pop(_GATHER_SWITCH, None)
+
+    def restore() -> None:
+        if value is not None:
+            os.environ[_GATHER_SWITCH] = value
+
+    return restore
 
 
 def gather_lowering_is_collective() -> bool:

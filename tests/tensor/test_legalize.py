@@ -124,3 +124,25 @@ def test_parse_failure_reads_the_op_its_name_and_the_layouts():
     pin = _legalize.pin_for(failure, message)
     assert pin.outputs == {0: f"sharding_specs:dp,unsharded,unsharded, mesh:{mesh}"} and pin.inputs == {}
     assert _legalize.parse_failure(RuntimeError("some other error")) is None
+
+
+def test_empty_batch_sharded_tensors_gather_relayout_and_run_in_programs(tf_mesh):
+    """A zero-size shard (keras-hub Gemma 3's ``generate`` without images) once killed the process:
+    TF's CollectiveGatherV2 of an empty tensor.  Host reads, tfdist's relayouts and programs
+    holding empty tensors (expanded with TF's all-reduce gather lowering) now work."""
+    from tfdist import _runtime
+    from tfdist.keras._data import gather_to_numpy
+    from tfdist.tensor._redistribute import relayout
+
+    empty = dtensor.call_with_layout(tf.zeros, dtensor.Layout(["dp", U], tf_mesh), shape=(0, 8))
+    assert gather_to_numpy(empty).shape == (0, 8)
+    moved = relayout(empty, dtensor.Layout([U, "tp"], tf_mesh))
+    assert dtensor.fetch_layout(moved).sharding_specs == [U, "tp"] and moved.shape == (0, 8)
+
+    def doubled_whole(x):
+        return dtensor.relayout(x * 2.0, dtensor.Layout.replicated(tf_mesh, 2))
+
+    lowering = _runtime.gather_lowering_is_collective()
+    out = _legalize.Legalizer(tf.function(doubled_whole))(empty)
+    assert out.shape == (0, 8) and dtensor.fetch_layout(out).is_fully_replicated()
+    assert _runtime.gather_lowering_is_collective() == lowering  # the switch is back for other programs

@@ -129,6 +129,8 @@ def gather_to_numpy(t: Any) -> Any:
     """A (possibly sharded) TF DTensor as one numpy array on the host."""
     if not isinstance(t, tf.Tensor) or not dtensor.is_dtensor(t):
         return t.numpy() if hasattr(t, "numpy") else t
+    if t.shape.num_elements() == 0:  # nothing to gather (TF's gather of an empty shard crashes)
+        return np.zeros(t.shape, t.dtype.as_numpy_dtype)
     layout = dtensor.fetch_layout(t)
     if not layout.is_fully_replicated():
         t = relayout(t, dtensor.Layout.replicated(layout.mesh, t.shape.rank), layout)

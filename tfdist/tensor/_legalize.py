@@ -40,6 +40,7 @@ import contextlib
 import contextvars
 import dataclasses
 import re
+import threading
 import weakref
 from typing import Any, Callable, Iterator, TypeVar
 
@@ -50,7 +51,7 @@ from tensorflow.experimental import dtensor
 from tensorflow.python.eager import context
 from tensorflow.python.framework import op_callbacks
 
-from tfdist import _patches
+from tfdist import _patches, _runtime
 
 __all__ = ["LIMITS", "Limit", "Failure", "Legalizer", "LayoutLegalizationError", "tagging", "parse_failure",
            "install"]
@@ -308,6 +309,7 @@ def _on_op(op_type, inputs, attrs, outputs, op_name=None, graph=None):
     if graph is None or op_name is None:
         return None
     op = outputs[0].op if outputs else graph.get_operation_by_name(op_name)
+    _note_empty(outputs)
     if op_type in _TAGGED:
         _tag(op, op_name)
 
@@ -342,7 +344,24 @@ def tagging(plan: Plan | None = None) -> Iterator[None]:
     finally:
         if outermost:
             op_callbacks.remove_op_callback(_on_op)
+            restore = getattr(_EMPTY, "restore", None)
+            if restore is not None:
+                _EMPTY.restore = None
+                restore()
         _PLAN.reset(token)
+
+
+_EMPTY = threading.local()  # .restore: undoes the gather lowering switch for empty tensors
+
+
+def _note_empty(outputs: Any) -> None:
+    """A traced value with no elements: the program is expanded with TF's all-reduce gather
+    lowering (``_runtime.all_reduce_gather_lowering``: CollectiveGatherV2 of an empty tensor
+    kills the process)."""
+    if getattr(_EMPTY, "restore", None) is not None:
+        return
+    if any(t.shape.is_fully_defined() and t.shape.num_elements() == 0 and t.shape.rank for t in outputs):
+        _EMPTY.restore = _runtime.all_reduce_gather_lowering()
 
 
 def _explain(failure: Failure, pinned: bool) -> LayoutLegalizationError:

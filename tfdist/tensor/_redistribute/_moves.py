@@ -142,6 +142,9 @@ def relayout(x: tf.Tensor, layout: dtensor.Layout, source: dtensor.Layout | None
     ``move_mesh_dim``.  ``source`` is the current layout (read from
     ``x`` in eager mode when not given).
     """
+    if x.shape.is_fully_defined() and x.shape.num_elements() == 0 and tf.executing_eagerly():
+        # no values to move, and TF's gather of an empty shard kills the process
+        return dtensor.call_with_layout(tf.zeros, layout, shape=x.shape, dtype=x.dtype)
     if source is None:
         source = dtensor.fetch_layout(x)
     specs = list(source.sharding_specs)
