@@ -14,8 +14,10 @@ if __name__ == "__main__":
 
 import inspect
 import json
+import os
 import re
 import sys
+import tempfile
 import time
 import warnings
 from typing import Any
@@ -36,13 +38,9 @@ TINY = {
     "num_key_value_heads": 2, "hidden_dim": 32, "intermediate_dim": 64, "head_dim": 8,
     "max_sequence_length": 32, "dropout": 0.0, "num_segments": 2, "embedding_dim": 32, "num_experts": 4,
     "moe_intermediate_dim": 16, "shared_expert_intermediate_dim": 32, "attention_bias": False, "head_size": 8,
-    "hidden_size": 32, "num_groups": 1,
+    "hidden_size": 32, "num_groups": 1, "attention_dropout": 0.0, "filter_dim": 64,
+    "shared_expert_intermediate_size": 32,
 }
-
-# backbones that do not build from TINY on one device, with the reason (checked by the zoo test:
-# an entry whose family now builds is an error, so the list only shrinks)
-SKIP: dict[str, str] = {}
-
 
 def text_backbones() -> list[str]:
     """Names of keras-hub's exported ``*Backbone`` classes whose inputs are token ids."""
@@ -97,6 +95,14 @@ def inputs_for(backbone: keras.Model) -> dict[str, np.ndarray]:
     return data
 
 
+def _distinct(weights: list) -> list:
+    """One weight per path (a shared embedding appears under each layer that uses it)."""
+    seen: dict[str, Any] = {}
+    for v in weights:
+        seen.setdefault(v.path, v)
+    return list(seen.values())
+
+
 def llama_pattern_map(backbone: keras.Model, mesh: Any) -> keras.distribution.LayoutMap:
     """A map in the pattern of keras-hub's ``LlamaBackbone.get_layout_map`` from the variables'
     paths and shapes: token embeddings ``(model, batch)``, q/k/v kernels ``(model, batch, None)``,
@@ -104,7 +110,7 @@ def llama_pattern_map(backbone: keras.Model, mesh: Any) -> keras.distribution.La
     ``(batch, model)``, those narrowing it ``(model, batch)``."""
     layout_map = keras.distribution.LayoutMap(mesh)
     hidden = TINY["hidden_dim"]
-    for v in backbone.weights:
+    for v in _distinct(backbone.weights):
         path, shape = v.path, tuple(v.shape)
         key = "^" + re.escape(path) + "$"
         if len(shape) == 2 and "embedding" in path and "position" not in path and shape[0] == VOCAB:
@@ -124,7 +130,7 @@ def random_map(backbone: keras.Model, mesh: Any, rng: np.random.Generator) -> ke
     """Every dim of every >= 2-D weight gets a mesh axis or None at random, each axis at most once
     per weight."""
     layout_map = keras.distribution.LayoutMap(mesh)
-    for v in backbone.weights:
+    for v in _distinct(backbone.weights):
         if len(v.shape) < 2:
             continue
         axes: list[str | None] = [None] * len(v.shape)
@@ -190,8 +196,33 @@ def check(name: str, mesh_shape: tuple[int, int], kind: str) -> None:
             np.testing.assert_allclose(_train(model, data, target), losses, rtol=1e-4, atol=1e-5)
             for a, b in zip(one.get_weights(), model.get_weights()):
                 np.testing.assert_allclose(b, a, atol=1e-4)
+            with tempfile.TemporaryDirectory() as tmp:
+                path = os.path.join(tmp, "zoo.weights.h5")
+                model.save_weights(path)
+                keras.distribution.set_distribution(None)
+                loaded = trainable(build(name))
+                loaded.load_weights(path)  # on one device
+            for a, b in zip(one.get_weights(), loaded.get_weights()):
+                np.testing.assert_allclose(b, a, atol=1e-4)
     finally:
         keras.distribution.set_distribution(None)
+
+
+def markdown_table(results: dict[str, str]) -> str:
+    """Family x (mesh, map kind) table of ``main``'s results: ok, skipped or the failure."""
+    columns = [f"{m}-{k}" for m in ("2x4", "4x2", "1x8") for k in ("llama", "random")]
+    families: dict[str, dict[str, str]] = {}
+    for case, result in results.items():
+        name, mesh, kind = case.rsplit("-", 2)
+        families.setdefault(name, {})[f"{mesh}-{kind}"] = result
+    lines = ["| family | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
+    for name, row in sorted(families.items()):
+        if all(v.startswith("skipped") for v in row.values()):
+            lines.append(f"| {name} | " + " | ".join(["not built: " + next(iter(row.values()))[9:]] + [""] * 5) + " |")
+            continue
+        cells = ["ok" if row.get(c) == "ok" else ("fails" if c in row else "") for c in columns]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def main(out: str, meshes: str = "2x4,4x2,1x8", kinds: str = "llama,random") -> None:
@@ -217,4 +248,8 @@ def main(out: str, meshes: str = "2x4,4x2,1x8", kinds: str = "llama,random") -> 
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])  # out.json [meshes, e.g. 2x4,4x2] [kinds, e.g. llama,random]
+    if sys.argv[1] == "--case":  # one case, for a test that runs each in its own process
+        check(sys.argv[2], tuple(int(n) for n in sys.argv[3].split("x")), sys.argv[4])
+        print("ZOO CASE OK")
+    else:
+        main(*sys.argv[1:])  # out.json [meshes, e.g. 2x4,4x2] [kinds, e.g. llama,random]

@@ -301,3 +301,28 @@ def test_data_parallel_jit_compile_compiles_each_devices_forward_and_trains_like
     program = lm.train_function.one_step.traced[0].get_concrete_function(feed.shard_batch(_data(), mesh, batch_axis))
     ops = collections.Counter(op.type for op in program.graph.get_operations())
     assert ops["XlaCallModule"] == 2 and not ops["MatMul"] and not ops["Einsum"] and not ops["BatchMatMulV2"]
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 4), (4, 2)], ids=["2x4", "4x2"])
+def test_value_and_output_kernels_stored_over_batch_compute_one_devices_forward(mesh_shape):
+    """Two entries that each work alone: the value kernel ``("batch", None, "model")`` and the
+    attention output kernel ``("model", "batch", None)``.  TF moved ``model`` between the head
+    and head-dim dims of the rank-4 attention output inside one relayout, which it computes
+    wrongly (off by 3-4, no error); tfdist's products relayout through a rank-3 view."""
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, VOCAB, (BATCH, SEQ)).astype("int32")
+    x = {"token_ids": ids, "padding_mask": np.ones_like(ids)}
+    config = dict(COMMON, num_query_heads=4, num_key_value_heads=2)
+    keras.utils.set_random_seed(0)
+    reference = keras_hub.models.LlamaBackbone(**config)
+    expected, weights = keras.ops.convert_to_numpy(reference(x)), reference.get_weights()
+    mesh = keras.distribution.DeviceMesh(mesh_shape, ["batch", "model"])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["transformer_layer_0/self_attention/value/kernel"] = ("batch", None, "model")
+    layout_map["transformer_layer_0/self_attention/attention_output/kernel"] = ("model", "batch", None)
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map,
+                                                                         batch_dim_name="batch"))
+    backbone = keras_hub.models.LlamaBackbone(**config)
+    backbone.set_weights(weights)
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(backbone(x)), expected, atol=1e-5)
+    np.testing.assert_allclose(backbone.predict(x, verbose=0), expected, atol=1e-5)

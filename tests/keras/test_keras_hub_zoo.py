@@ -5,17 +5,22 @@ each built tiny from its signature.  For each family, mesh and map (keras-hub's 
 written from the family's own variable paths, or a random map): the layouts TF holds are the
 map's, the eager call and ``predict`` equal one device's, and ``fit`` with SGD (so a wrongly
 scaled gradient shows) reports one device's losses and ends at its weights.  Three sampled
-families run in the default suite; every family, mesh and map kind in the slow suite.
+families run in the default suite; every family with both map kinds in the slow suite, the
+meshes rotating over the families; ``python tests/keras/hub_zoo.py out.json`` runs every
+family on every mesh (the table in docs/keras.md).
 """
 
 from __future__ import annotations
 
+import os
+import pathlib
 import random
+import subprocess
+import sys
 
 import pytest
 
 import tfdist.keras  # noqa: F401  (the TF backend of keras.distribution)
-from keras_helpers import no_global_distribution  # noqa: F401
 
 pytest.importorskip("keras_hub", reason="keras-hub is a test extra: pip install -e '.[test]'")
 import hub_zoo  # noqa: E402
@@ -23,17 +28,58 @@ import hub_zoo  # noqa: E402
 FAMILIES = [name for name in hub_zoo.text_backbones() if not isinstance(hub_zoo.tiny_config(name), str)]
 SAMPLED = set(random.Random(68).sample(FAMILIES, 3))
 MESHES = [(2, 4), (4, 2), (1, 8)]
+# families whose map TF DTensor still cannot run, each with what stops it (strict: a fix shows)
+KNOWN = {
+    "GptOssBackbone": "Keras' shape inference of the MoE block under the map: 'Dimensions must be equal, "
+                      "but are 8 and 4' (the expert kernels' symbolic shapes)",
+    "RWKV7Backbone": "TF DTensor: 'tf.TensorListStack' op does not implement layout propagation",
+    "Qwen3_5Backbone": "an eager DepthwiseConv2dNative on a mesh: 'All operands and outputs must be batch "
+                       "parallel' (op by op, not in a traced program tfdist can legalize)",
+}
+_TF_MOVE = ("values differ from one device's: TF moves a mesh dim between two inner dims of a rank-4 "
+            "tensor inside an expander, wrongly (docs/design.md, 'Not covered yet')")
+_UNEVEN = ("a dim of 4 over the 8-way mesh dim: TF DTensor's 'DTensorLayout op requires dimension 3 to be "
+           "divisible' on an activation (weights are stored padded; activations cannot be)")
+# single cases (family-mesh-map) that still fail, with what stops them
+KNOWN_CASES = {
+    "FalconBackbone-4x2-random": _TF_MOVE, "MixtralBackbone-2x4-random": _TF_MOVE,
+    "Qwen3Backbone-4x2-random": _TF_MOVE,
+    "MistralBackbone-1x8-random": _UNEVEN, "Phi3Backbone-1x8-random": _UNEVEN,
+    "QwenMoeBackbone-1x8-random": _UNEVEN,
+    "LlamaBackbone-4x2-random": "TF's SliceOp at run time: 'Unhandled input dimensions' in the backward of "
+                                "the key/value repeat (a DTensorAllScatter TF emits)",
+    "GemmaBackbone-4x2-random": "a relayout TF emits gathers two mesh dims at once, which its CollectiveGatherV2 "
+                                "lowering cannot (docs/tf_dtensor_repros/all_gather_two_mesh_dims.py)",
+    "T5Backbone-2x4-random": "an eager MatMul on a mesh whose contracting dim is sharded over different mesh "
+                             "dims (op by op, not in a traced program tfdist can legalize)",
+    "WhisperBackbone-4x2-random": "an eager Conv2D on a mesh: 'Filter for convolution must have fully replicated "
+                                  "layout' (op by op)",
+    "XLNetBackbone-2x4-llama": "TF DTensor's StridedSlice layout propagation refuses the relative attention's "
+                               "slice ('ComputeLayoutForward error: sharding spec'): a propagation error, "
+                               "before any expander",
+    "XLNetBackbone-2x4-random": "as XLNetBackbone-2x4-llama",
+}
 
 
 def _cases():
-    for name in FAMILIES:
-        for shape in MESHES:
-            for kind in ("llama", "random"):
-                default = name in SAMPLED and shape == (2, 4) and kind == "llama"
-                marks = () if default else (pytest.mark.slow,)
-                yield pytest.param(name, shape, kind, marks=marks, id=f"{name}-{shape[0]}x{shape[1]}-{kind}")
+    """Each family with both map kinds, on meshes that rotate over the families (every mesh meets
+    every kind); the sampled families' Llama-pattern map on 2x4 runs in the default suite."""
+    for i, name in enumerate(FAMILIES):
+        for j, kind in enumerate(("llama", "random")):
+            shape = MESHES[(i + j) % len(MESHES)] if name not in SAMPLED or kind != "llama" else (2, 4)
+            marks = [] if name in SAMPLED and kind == "llama" else [pytest.mark.slow]
+            case = f"{name}-{shape[0]}x{shape[1]}-{kind}"
+            reason = KNOWN.get(name) or KNOWN_CASES.get(case)
+            if reason is not None:
+                marks.append(pytest.mark.xfail(reason=reason, strict=True))
+            yield pytest.param(name, shape, kind, marks=marks, id=case)
 
 
 @pytest.mark.parametrize("name, mesh_shape, kind", list(_cases()))
-def test_family_under_a_layout_map_is_one_device(no_global_distribution, name, mesh_shape, kind):
-    hub_zoo.check(name, mesh_shape, kind)
+def test_family_under_a_layout_map_is_one_device(name, mesh_shape, kind):
+    """Each case in its own process: an op error at run time cancels TF's executor for the rest
+    of the process, which would fail every later case with it."""
+    proc = subprocess.run(
+        [sys.executable, str(pathlib.Path(hub_zoo.__file__)), "--case", name, f"{mesh_shape[0]}x{mesh_shape[1]}", kind],
+        capture_output=True, text=True, timeout=900, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    assert proc.returncode == 0 and "ZOO CASE OK" in proc.stdout, proc.stderr[-4000:]

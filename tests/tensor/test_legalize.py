@@ -117,10 +117,11 @@ def test_parse_failure_reads_the_op_its_name_and_the_layouts():
         f"  output: sharding_specs:dp,unsharded,tp, mesh:{mesh}, axis: 0\n"
         'x.py:3:1: note: see current operation: %384 = "tf.GatherV2"(%382, %190, %64) <{batch_dims = 0 : i64}> '
         '{_global_shape = [#tf_type.shape<16x8x32>], _legalize_op = "model/token_embedding/GatherV2", device = ""} '
-        ": (tensor<16x32xf32>, tensor<8x8xi32>, tensor<i32>) -> tensor<16x8x32xf32>\n")
+        ": (tensor<16x32xf32>, tensor<8x8xi32>, tensor<i32>) -> tensor<16x8x32xf32>\n"
+        "tensorflow/dtensor/mlir/spmd_expander.cc:206 :: \n")
     failure = _legalize.parse_failure(RuntimeError(message))
     assert (failure.op_type, failure.op_name) == ("GatherV2", "model/token_embedding/GatherV2")
-    assert (failure.input_ranks, failure.output_ranks, failure.mesh) == ((2, 2, 0), (3,), mesh)
+    assert (failure.input_ranks, failure.output_ranks, failure.mesh) == ((2, 0, 0), (3,), mesh)  # ids: never pinned
     pin = _legalize.pin_for(failure, message)
     assert pin.outputs == {0: f"sharding_specs:dp,unsharded,unsharded, mesh:{mesh}"} and pin.inputs == {}
     assert _legalize.parse_failure(RuntimeError("some other error")) is None

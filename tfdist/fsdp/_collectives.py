@@ -27,7 +27,7 @@ from tfdist.fsdp._gather_order import GatherOrder
 from tfdist.fsdp._grad_sync import GradientSync
 from tfdist.tensor._per_device import per_device_call
 from tfdist.tensor._per_device import split_batch as _split_batch
-from tfdist.tensor._redistribute import reduce_scatter_move, relayout
+from tfdist.tensor._redistribute import reduce_scatter_move, relayout, relayout_traced
 
 __all__ = [
     "ShardedParam", "gather", "gathered_with_sliced_grad", "sharded_einsum", "sharded_lookup", "per_shard_call",
@@ -193,6 +193,13 @@ def _letter_specs(letters: str, sources: list[tuple[str, list[str]]], batch: str
     return out
 
 
+def _relayout_operand(t: tf.Tensor, layout: dtensor.Layout) -> tf.Tensor:
+    """A product's operand, output or gradient relayouted: through a rank-3 view from rank 4 on
+    (``relayout_traced``: TF's own move between inner dims of a rank-4 tensor is wrong), as TF
+    does it below (the collectives torch's plan has; tests/fsdp count them)."""
+    return relayout_traced(t, layout) if t.shape.rank is not None and t.shape.rank >= 4 else dtensor.relayout(t, layout)
+
+
 def sharded_einsum(
     equation: str,
     x: tf.Tensor,
@@ -240,22 +247,30 @@ def sharded_einsum(
     stacked_specs = [dp] + full_specs
 
     def full_bias(value):
-        return gather(value, bias[1], dtype)
+        full = gather(value, bias[1], dtype)
+        if len(out) < 4:
+            return full
+        # laid out as the output's dims it adds to, so the add moves nothing inside TF (TF's
+        # own move of a mesh dim between two inner dims of the rank-4 output is wrong:
+        # keras-hub Bert's value projection with its kernel and bias stored over ``batch``)
+        return relayout_traced(full, dtensor.Layout([y_specs[out.index(c)] for c in bias[2]], mesh))
 
     @tf.custom_gradient
     def product(x, kernel, *bias_value):
         # relayouted inside: TF's own gradient of a relayout (RelayoutLike) mis-propagates
         # layouts (docs/tf_dtensor_repros/rowwise_sequence_shard_output.py)
-        x = dtensor.relayout(x, x_layout)
+        x = _relayout_operand(x, x_layout)
         with tf.control_dependencies(param.forward_wait(x)):
             full = gather(kernel, param, dtype)
         y = tf.einsum(equation, x, full)
+        if len(out) >= 4:  # the output laid out before the bias joins it (full_bias)
+            y = _relayout_operand(y, y_layout)
         if bias is not None:
             y = y + full_bias(bias_value[0])
-        y = dtensor.relayout(y, y_layout)
+        y = _relayout_operand(y, y_layout)
 
         def grad(dy):
-            dy = dtensor.relayout(tf.cast(dy, dtype), y_layout)
+            dy = _relayout_operand(tf.cast(dy, dtype), y_layout)
             _publish(param, lambda: _device_zeros(dy, y_specs, parts, mesh, batch_sharded), at="pre")
             if regather is not None and param.sharded:
                 zeros = _device_zeros(dy, y_specs, parts, mesh, batch_sharded)
@@ -263,7 +278,7 @@ def sharded_einsum(
                 again = gather(_tied_to(regather(), tie, param, parts), param, dtype)
             else:
                 again = full
-            dx = dtensor.relayout(tf.einsum(f"{out},{ker}->{inp}", dy, again), x_layout)
+            dx = _relayout_operand(tf.einsum(f"{out},{ker}->{inp}", dy, again), x_layout)
             _publish(param, lambda: _device_zeros(dx, x_specs, parts, mesh, batch_sharded), at="post")
             rdtype = reduce_dtype or dtype
             grads = [dx]

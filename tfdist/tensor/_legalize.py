@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import logging
 import re
 import threading
 import weakref
@@ -57,6 +58,7 @@ __all__ = ["LIMITS", "Limit", "Failure", "Legalizer", "LayoutLegalizationError",
            "install"]
 
 T = TypeVar("T")
+_LOG = logging.getLogger("tfdist.legalize")
 TAG = "_legalize_op"
 # rounds of pinning one program may take before tfdist gives up (each round is one trace and
 # one layout propagation; a round pins every op of one kind)
@@ -132,7 +134,7 @@ def _reduced_output(failure: Failure, match: "re.Match[str]") -> Pin:
     return Pin(inputs={}, outputs={0: failure.layout(_specs(match["original"]))})
 
 
-_LAYOUT = r"sharding_specs:\S*, mesh:\S+"
+_LAYOUT = r'sharding_specs:\S*, mesh:[^\s"\]]+'
 
 # The expanders' limits met so far, one row each.  A refused op not in the table gets its refused
 # operands and results replicated (``_replicated``), so an unknown limit still compiles.
@@ -151,6 +153,17 @@ LIMITS: tuple[Limit, ...] = (
           "output_layout, requested_output_layout.value(), ...) -- a reduction's result may only become "
           "more sharded than its input makes it",
           _reduced_output),
+    Limit(("Squeeze", "ExpandDims", "Tile"), r"SPMD expansion resulted in op output inconsistent with the provided "
+          r"layout|op requires input\.shape",
+          "spmd_expander.cc, SPMDExpanderBase::ExpandOpAndSetLayout: \"SPMD expansion resulted in op output "
+          "inconsistent with the provided layout\" -- the expander made the local result of another layout than "
+          "propagation gave it (Squeeze of a dim-1 tensor into a sharded vector; Tile's local multiples, "
+          "meta_spmd_expander.cc)", _replicated),
+    Limit(("Conv2D", "Conv3D", "DepthwiseConv2dNative", "Conv2DBackpropInput", "Conv2DBackpropFilter",
+           "DepthwiseConv2dNativeBackpropInput", "DepthwiseConv2dNativeBackpropFilter"),
+          r"channel dimension must be replicated|must be batch parallel",
+          "expansions/conv_spmd_expander.cc: \"Conv input's channel dimension must be replicated.\", and for "
+          "the depthwise and backprop forms \"All operands and outputs must be batch parallel.\"", _replicated),
     Limit(("Split", "SplitV"), r"Spliting over sharded dimension is not supported",
           "expansions/split_spmd_expander.cc: errors::Unimplemented(\"Spliting over sharded dimension is "
           "not supported.\")", _replicated),
@@ -167,15 +180,19 @@ _TAGGED = frozenset(t for limit in LIMITS for t in limit.op_types)
 
 _OP = re.compile(r'see current operation: %\S+ = "tf\.(?P<type>\w+)"\((?P<rest>.*)$', re.MULTILINE)
 _NAME = re.compile(TAG + r' = "(?P<name>[^"]*)"')
-_MESH = re.compile(r"sharding_specs:\S*, mesh:(?P<mesh>\S+)")
+_MESH = re.compile(r'sharding_specs:\S*, mesh:(?P<mesh>[^\s"\]]+)')
 _TENSOR = re.compile(r"tensor<(?P<dims>[^>]*)>")
 
 
 def _ranks(types: str) -> tuple[int, ...]:
+    """The ranks of MLIR tensor types; 0 for an integer tensor (a shape, paddings, multiples, a
+    permutation, indices: an operand TF may need as a constant to know the result's shape, so
+    never pinned)."""
     ranks = []
     for m in _TENSOR.finditer(types):
         dims = m["dims"].split("x")
-        ranks.append(-1 if dims[0] == "*" else len(dims) - 1)
+        rank = -1 if dims[0] == "*" else len(dims) - 1
+        ranks.append(0 if rank >= 1 and re.fullmatch(r"u?i\d+", dims[-1]) else rank)
     return tuple(ranks)
 
 
@@ -186,14 +203,16 @@ def parse_failure(error: BaseException, args: Any = ()) -> Failure | None:
     op = _OP.search(message)
     name = _NAME.search(message)
     mesh = _MESH.search(message)
-    mesh = mesh["mesh"] if mesh is not None else _mesh_of(args)
-    if op is None or name is None or mesh is None:
+    mesh = mesh["mesh"].rstrip(",") if mesh is not None else _mesh_of(args)
+    if op is None or mesh is None or "spmd_expan" not in message.replace("SPMD expan", "spmd_expan"):
         return None
     signature = op["rest"].rsplit(" : ", 1)[-1]
     operands, _, results = signature.partition(" -> ")
     reason = message.split("error: ", 1)[-1].split("\n", 1)[0].strip()
     layouts = tuple(m.group(0) for m in re.finditer(_LAYOUT, message))
-    return Failure(op["type"], name["name"], _ranks(operands), _ranks(results), layouts, mesh, reason)
+    # an op the expander made in the refused op's place carries no name: every op of its type
+    op_name = name["name"] if name is not None else ANY_NAME
+    return Failure(op["type"], op_name, _ranks(operands), _ranks(results), layouts, mesh, reason)
 
 
 def _mesh_of(args: Any) -> str | None:
@@ -218,9 +237,14 @@ def pin_for(failure: Failure, message: str) -> Pin:
     return _replicated(failure)
 
 
+ANY_NAME = "*"  # a pin for every op of a type (TF's error named no op)
+
+
 def _kind(op_type: str, name: str) -> tuple[str, str]:
     """Ops that differ only in numbers before their last name component are one kind (the same
     op of another layer, or of another trace of the same program)."""
+    if name == ANY_NAME:
+        return op_type, ANY_NAME
     head, _, last = name.rpartition("/")
     return op_type, re.sub(r"\d+", "#", head) + "/" + last
 
@@ -244,11 +268,11 @@ class Plan:
         return True
 
     def pin_of(self, op_type: str, name: str, inputs: Any, outputs: Any) -> Pin | None:
-        entry = self.pins.get(_kind(op_type, name))
+        entry = self.pins.get(_kind(op_type, name)) or self.pins.get((op_type, ANY_NAME))
         if entry is None:
             return None
-        pin, input_ranks, output_ranks = entry
-        if tuple(t.shape.rank for t in inputs) != input_ranks[:len(inputs)] or len(outputs) < len(output_ranks):
+        pin, _, output_ranks = entry
+        if tuple(t.shape.rank for t in outputs[:len(output_ranks)]) != output_ranks:
             return None
         return pin
 
@@ -321,7 +345,8 @@ def _on_op(op_type, inputs, attrs, outputs, op_name=None, graph=None):
     if pin is None:
         return outputs if replaced is not None else None
     for i, layout in pin.inputs.items():
-        if replaced is None:  # a rewritten op's operands are not the ones the pin names
+        # a rewritten op's operands are not the ones the pin names
+        if replaced is None and i < len(op.inputs) and op.inputs[i].shape.rank == len(_specs(layout)):
             op._update_input(i, _relayout(op.inputs[i], layout))
     return [_relayout(t, pin.outputs[j]) if j in pin.outputs else t for j, t in enumerate(outputs)]
 
@@ -360,12 +385,15 @@ def _note_empty(outputs: Any) -> None:
     kills the process)."""
     if getattr(_EMPTY, "restore", None) is not None:
         return
-    if any(t.shape.is_fully_defined() and t.shape.num_elements() == 0 and t.shape.rank for t in outputs):
+    # values of rank >= 2, not constants: an empty vector is a shape (of a scalar), kept on the host
+    if any(t.shape.rank is not None and t.shape.rank >= 2 and t.shape.is_fully_defined()
+           and t.shape.num_elements() == 0 and t.op.type != "Const" for t in outputs):
         _EMPTY.restore = _runtime.all_reduce_gather_lowering()
 
 
 def _explain(failure: Failure, pinned: bool) -> LayoutLegalizationError:
-    layouts = "; ".join(failure.layouts) or "(none printed)"
+    specs = dict.fromkeys("(" + ", ".join(_specs(layout)) + ")" for layout in failure.layouts)
+    layouts = "; ".join(specs) or "(none printed)"
     tried = " tfdist pinned this op's layouts and TF DTensor still refused it." if pinned else ""
     return LayoutLegalizationError(
         f"TF DTensor cannot lay out {failure.op_type} '{failure.op_name}' (the layer or variable is the "
@@ -390,6 +418,8 @@ class Legalizer:
                 found, message = failure
                 if rounds >= MAX_ROUNDS or not self.plan.add(found, message):
                     raise _explain(found, pinned=True)
+                _LOG.info("TF DTensor refused %s '%s' (%s); pinned %s and tracing again",
+                          found.op_type, found.op_name, found.reason, self.plan.pins[_kind(found.op_type, found.op_name)][0])
                 self.function = self.function._clone(None)
                 rounds += 1
             with tagging(self.plan):

@@ -174,13 +174,36 @@ def relayout_traced(x: tf.Tensor, layout: dtensor.Layout) -> tf.Tensor:
     keeps whole is unsharded in a relayout of its own first, the other dim kept as it is (TF's
     "match" spec), so neither relayout gathers more than one mesh dim; where that dim is whole
     already the step is an identity.  TF accepts one "match" per layout ("Attempted to shard two
-    or more tensor dimensions over mesh dimension match", tensor_layout.cc), which stages rank 2
-    only; other ranks get the plain relayout.
+    or more tensor dimensions over mesh dimension match", tensor_layout.cc), which stages rank 2;
+    rank >= 4 is staged by ``_relayout_rank4``; rank 3 gets the plain relayout.
     """
     specs = list(layout.sharding_specs)
+    if len(specs) >= 4:
+        return _relayout_rank4(x, layout)
     if len(specs) != 2 or dtensor.UNSHARDED not in specs:
         return dtensor.relayout(x, layout)
     whole = specs.index(dtensor.UNSHARDED)
     step = [dtensor.MATCH, dtensor.MATCH]
     step[whole] = dtensor.UNSHARDED  # gathers what shards that dim, keeps the other's
     return dtensor.relayout(dtensor.relayout(x, dtensor.Layout(step, layout.mesh)), layout)
+
+
+def _relayout_rank4(x: tf.Tensor, layout: dtensor.Layout) -> tf.Tensor:
+    """A traced relayout of a rank >= 4 tensor done on a rank-3 view of it.
+
+    TF moves a mesh dim between two non-leading dims of a rank >= 4 tensor wrongly, silently
+    (docs/tf_dtensor_repros/all_to_all_wrong_values.py: ``(dp, -, tp, -)`` from
+    ``(dp, tp, -, -)``; FSDP's product of keras-hub Bert's attention output met it), and a traced
+    tensor's layout is known only to TF, so the move cannot be staged around.  Rank 3 moves are
+    right, so where ``layout`` leaves dims 1..rank-3 whole the leading dims are merged into one
+    (a reshape: local where only the outer merged dim is sharded), the rank-3 view is
+    relayouted, and the result is split back.  A tensor already laid out as ``layout`` meets no
+    collective on the way."""
+    specs = list(layout.sharding_specs)
+    rank = len(specs)
+    if not x.shape.is_fully_defined() or any(s != dtensor.UNSHARDED for s in specs[1:rank - 2]):
+        return dtensor.relayout(x, layout)
+    dims = x.shape.as_list()
+    view = tf.reshape(x, [-1] + dims[rank - 2:])
+    view = dtensor.relayout(view, dtensor.Layout([specs[0]] + specs[rank - 2:], layout.mesh))
+    return dtensor.relayout(tf.reshape(view, dims), layout)
