@@ -149,10 +149,10 @@ def test_class_weights_in_fit_equal_one_device():
     assert max_weight_diff(ref, model) < 1e-9
 
 
-def test_out_of_range_label_in_fit_is_not_silent():
-    """A label of 99 with 32 classes: plain TF raises on CPU and gives NaN on GPU; in a
-    traced DTensor step tfdist gives NaN (an error there would poison the process), so
-    fit's loss is NaN instead of a finite, wrong value -- and the process stays usable."""
+def test_out_of_range_label_in_fit_raises_as_one_device_and_the_process_goes_on():
+    """A label of 99 with 32 classes: TF's CPU kernel raises; in tfdist's fit the step checks
+    its labels, clips them so every collective completes, and the host raises TF's message after
+    the step (tensor/_step_checks.py) -- the process still trains and evaluates."""
     from keras_helpers import DenseAdam
     from tfdist.models import GPT, parallelize_gpt
 
@@ -166,10 +166,11 @@ def test_out_of_range_label_in_fit_is_not_silent():
     model = parallelize_gpt(model, mesh, loss_parallel=True)
     model.compile(optimizer=DenseAdam(1e-2), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     with loss_parallel():
-        losses = model.fit(ids, bad, batch_size=8, shuffle=False, verbose=0).history["loss"]
-        assert np.isnan(losses).all()
-        after = model.evaluate(ids, nxt, batch_size=8, verbose=0)  # the process still runs steps
-    assert np.isnan(after)  # the weights took the NaN gradient, as TF's GPU kernel would
+        with pytest.raises(tf.errors.InvalidArgumentError, match=r"label value of 99 .* range of \[0, 32\)"):
+            model.fit(ids, bad, batch_size=8, shuffle=False, verbose=0)
+        losses = model.fit(ids, nxt, batch_size=8, shuffle=False, verbose=0).history["loss"]
+        after = model.evaluate(ids, nxt, batch_size=8, verbose=0)
+    assert np.isfinite(losses).all() and np.isfinite(after)
 
 
 def test_fit_computes_the_loss_on_sharded_logits_without_a_loss_parallel_block():

@@ -188,10 +188,12 @@ def test_embedding_colwise_and_rowwise_equal_replicated():
     mask = np.ones(bad.shape, bool)
     mask[1, 2] = False
     np.testing.assert_allclose(rows[mask], ref.row(IDS[:8]).numpy()[mask], atol=1e-6)
-    bad[3, 0] = -1  # below the range too
+    bad[3, 0] = -1  # Keras' take counts a negative id from the end, once: the last row
+    bad[4, 1] = -V - 1  # ... and this one is still below the range
     rows = gather_to_numpy(tf.function(lambda a: model.row(a))(shard_batch(tf.constant(bad), m, 0)))
-    assert np.isnan(rows[1, 2]).all() and np.isnan(rows[3, 0]).all()
-    assert np.isfinite(np.delete(rows.reshape(-1, 16), [1 * S + 2, 3 * S], axis=0)).all()
+    assert np.isnan(rows[1, 2]).all() and np.isnan(rows[4, 1]).all()
+    np.testing.assert_allclose(rows[3, 0], ref.row.embeddings.numpy()[V - 1], atol=1e-6)
+    assert np.isfinite(np.delete(rows.reshape(-1, 16), [1 * S + 2, 4 * S + 1], axis=0)).all()
 
 
 def test_rowwise_embedding_gradient_is_the_scatter_of_its_output_gradient():

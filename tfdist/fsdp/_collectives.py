@@ -25,6 +25,7 @@ from tensorflow.experimental import dtensor
 
 from tfdist.fsdp._gather_order import GatherOrder
 from tfdist.fsdp._grad_sync import GradientSync
+from tfdist.tensor import _step_checks
 from tfdist.tensor._per_device import per_device_call
 from tfdist.tensor._per_device import split_batch as _split_batch
 from tfdist.tensor._redistribute import reduce_scatter_move, relayout, relayout_traced
@@ -397,11 +398,12 @@ def sharded_lookup(
     parts = mesh.dim_size(dp)
     rank = ids.shape.rank
     ids_specs = [dp if batch_sharded else UNSHARDED] + [UNSHARDED] * (rank - 1)
-    ids = dtensor.relayout(tf.cast(ids, tf.int32), dtensor.Layout(ids_specs, mesh))
+    vocab = int(table.shape[0])
+    ids = _step_checks.lookup_ids(ids, vocab, f"Embedding lookup: id {{value}} is not in [0, {vocab}).")
+    ids = dtensor.relayout(ids, dtensor.Layout(ids_specs, mesh))
     table_specs = list(param.full_layout.sharding_specs)
     out_specs = ids_specs + table_specs[1:]
     dtype = compute_dtype or table.dtype
-    vocab = int(table.shape[0])
     lead = "abcefghijlmnopqrsuwxyz"[:rank]
 
     @tf.custom_gradient

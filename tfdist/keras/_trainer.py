@@ -30,7 +30,7 @@ from tfdist.device_mesh import DeviceMesh
 from tfdist.keras import _compiled_forward, _data, _offload_step, _variables
 from tfdist.keras._backend import tfdist_mesh, traced_like_keras
 from tfdist.keras._loss_reduction import mean_loss_reduction
-from tfdist.tensor import _legalize
+from tfdist.tensor import _legalize, _step_checks
 from tfdist.tensor.parallel.loss import loss_parallel
 from tfdist.tensor.parallel.style import replicated_batch
 
@@ -402,8 +402,10 @@ def _by_batch_split(step_function, run_eagerly: bool, mesh, batch_axis, combine:
         even, partial = _loss_parallel(step_function), _loss_parallel(step_function)
     else:
         calling = _program_options(mesh)
-        traced = traced_like_keras(step_function, reduce_retracing=True), traced_like_keras(step_function)
-        even, partial = (_through_concrete(f, tracing, calling, combine) for f in traced)
+        checked = _step_checks.checked_step(step_function), _step_checks.checked_step(step_function)
+        traced = traced_like_keras(checked[0], reduce_retracing=True), traced_like_keras(checked[1])
+        even, partial = (_checks_raised(_through_concrete(f, tracing, calling, combine), c)
+                         for f, c in zip(traced, checked))
 
     def step(data, splits_evenly=None):
         """One step on ``data``: host batches, or batches ``BatchFeed`` placed (then pass
@@ -418,6 +420,22 @@ def _by_batch_split(step_function, run_eagerly: bool, mesh, batch_axis, combine:
 
     step.traced = traced  # the step programs, for inspection (tests compare their graphs)
     return step
+
+
+def _checks_raised(call, checked):
+    """``call(data)`` of a ``checked_step`` program: its outputs, after raising the first index
+    check that failed in it (``tensor/_step_checks.py``: an id outside its table, a label outside
+    its classes -- TF's kernel error on one device, zeros or NaN on a mesh without the check)."""
+
+    def run(data):
+        outputs, extremes = call(data)
+        if extremes is not None:
+            checked.checks.raise_failed(_data.gather_to_numpy(extremes))
+        return outputs
+
+    run.__wrapped__ = call
+    run.programs = getattr(call, "programs", None)
+    return run
 
 
 def _steps(model, step_function, mesh, batch_axis, combine: bool = False):

@@ -53,6 +53,7 @@ from tensorflow.python.eager import context
 from tensorflow.python.framework import op_callbacks
 
 from tfdist import _patches, _runtime
+from tfdist.tensor import _step_checks
 
 __all__ = ["LIMITS", "Limit", "Failure", "Legalizer", "LayoutLegalizationError", "tagging", "parse_failure",
            "install"]
@@ -336,6 +337,8 @@ def _on_op(op_type, inputs, attrs, outputs, op_name=None, graph=None):
     _note_empty(outputs)
     if op_type in _TAGGED:
         _tag(op, op_name)
+    if op_type in _GATHERS and _step_checks.active():
+        _check_gather(op, op_name)
 
     replaced = _merged_contraction(op, inputs) if op_type == "Einsum" and _on_a_mesh() else None
     if replaced is not None:
@@ -349,6 +352,22 @@ def _on_op(op_type, inputs, attrs, outputs, op_name=None, graph=None):
         if replaced is None and i < len(op.inputs) and op.inputs[i].shape.rank == len(_specs(layout)):
             op._update_input(i, _relayout(op.inputs[i], layout))
     return [_relayout(t, pin.outputs[j]) if j in pin.outputs else t for j, t in enumerate(outputs)]
+
+
+_GATHERS = ("GatherV2", "ResourceGather")
+
+
+def _check_gather(op: Any, op_name: str) -> None:
+    """The gather's indices checked in the step and clipped into range (``_step_checks``): an id
+    outside the table raises on the host after the step, as TF's kernel raises on one device."""
+    size = _step_checks.gather_size(op)
+    indices = op.inputs[1]
+    if size is None or indices.op.type == "Const":
+        return
+    message = f"indices = {{value}} is not in [0, {size}) ({op.type} '{op_name}', checked on the mesh by tfdist)"
+    checked = _step_checks.checked_indices(indices, size, message)
+    if checked is not indices:
+        op._update_input(1, checked)
 
 
 def _on_a_mesh() -> bool:

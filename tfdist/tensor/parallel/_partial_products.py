@@ -37,6 +37,7 @@ from typing import Any, Sequence
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from tfdist.tensor import _step_checks
 from tfdist.tensor._layout import physical_layout
 from tfdist.tensor._redistribute import reduce_scatter_move, relayout
 from tfdist.tensor.placement_types import Partial, Placement, Replicate, Shard
@@ -97,13 +98,10 @@ def partial_lookup(ctx, ids: tf.Tensor, table: tf.Tensor) -> tf.Tensor:
     tp = ctx.root.axis_names[_tp_dim(ctx)]
     shard_layout = dtensor.Layout([tp] + [dtensor.UNSHARDED] * table.shape.rank, mesh)
     local_table = dtensor.relayout(tf.reshape(table, [parts, rows] + table.shape.as_list()[1:]), shard_layout)
-    ids = tf.cast(ids, tf.int32)
-    if tf.executing_eagerly():  # as TF's gather on CPU: an id no device owns is an error, not zeros
-        low, high = int(tf.reduce_min(ids)), int(tf.reduce_max(ids))
-        if low < 0 or high >= vocab:
-            raise tf.errors.InvalidArgumentError(
-                None, None, f"Embedding lookup: id {low if low < 0 else high} is not in [0, {vocab})."
-            )
+    # as TF's gather on CPU: an id no device owns is an error, not zeros (eagerly raised now; in
+    # a Keras step on a mesh clipped and raised on the host after the step: _step_checks)
+    checked = tf.executing_eagerly() or _step_checks.active()
+    ids = _step_checks.lookup_ids(ids, vocab, f"Embedding lookup: id {{value}} is not in [0, {vocab}).")
     rank = ids.shape.rank
     row = tf.math.floormod(ids, rows)  # the same on every device: always a valid row of a shard
     # dims [*ids, T, D]: T (the shard axis) after the ids' dims, so that TF DTensor's
@@ -121,17 +119,19 @@ def partial_lookup(ctx, ids: tf.Tensor, table: tf.Tensor) -> tf.Tensor:
             dshard = tf.math.unsorted_segment_sum(dy, row, rows)  # [rows, T, D]
             return dtensor.relayout(tf.transpose(dshard, [1, 0, 2]), shard_layout)
 
-        return tf.gather(local_table, row, axis=1), grad
+        with _step_checks.suspended():  # rows of the shard: in range by construction
+            return tf.gather(local_table, row, axis=1), grad
 
     rows_out = lookup(local_table)
     # One factor per id, applied in one product (its gradient is one product too, and masks the
     # gradient rows the segment sum adds up): 1 for the ids this device owns, 0 for another
-    # device's, NaN for an id no device owns -- not an error: raising inside a traced DTensor
-    # step would poison TF's collective executor for the rest of the process.  Built on the
-    # [T, *ids] ids, not on the [T, *ids, D] rows.
+    # device's, NaN for an id no device owns where nothing checked the ids (a traced program
+    # outside Keras' steps) -- not an error: raising inside a traced DTensor step would poison
+    # TF's collective executor for the rest of the process.  Built on the [T, *ids] ids, not on
+    # the [T, *ids, D] rows.
     owner = tf.expand_dims(tf.math.floordiv(ids, rows), 0)
     factor = tf.cast(tf.equal(owner, tf.reshape(tf.range(parts, dtype=tf.int32), [parts] + [1] * rank)), rows_out.dtype)
-    if not tf.executing_eagerly() and rows_out.dtype.is_floating:
+    if not checked and rows_out.dtype.is_floating:
         owned = tf.expand_dims(tf.logical_and(ids >= 0, ids < vocab), 0)
         factor = tf.where(owned, factor, tf.constant(float("nan"), rows_out.dtype))
     factor = dtensor.relayout(factor, _stacked_layout(ctx, rank))

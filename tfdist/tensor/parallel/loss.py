@@ -26,6 +26,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfdist import _patches
+from tfdist.tensor import _step_checks
 from tfdist.tensor._modules import loaded_backends
 
 __all__ = ["loss_parallel"]
@@ -40,8 +41,7 @@ def sharded_cross_entropy(labels: tf.Tensor, logits: tf.Tensor, axis: int = -1) 
         )
     axis = axis % logits.shape.rank
     classes = logits.shape[axis]
-    _check_labels(labels, classes)
-    labels = _on_logits_mesh(labels, logits)
+    labels = _on_logits_mesh(_checked_labels(labels, classes), logits)
     one_hot = tf.one_hot(tf.cast(labels, tf.int32), classes, dtype=logits.dtype, axis=axis)
 
     @tf.custom_gradient
@@ -88,16 +88,13 @@ def _on_logits_mesh(labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
     return dtensor.copy_to_mesh(labels, dtensor.Layout.replicated(mesh, labels.shape.rank))
 
 
-def _check_labels(labels: tf.Tensor, classes: int) -> None:
-    """Out-of-range labels raise as in TF's kernel (eagerly; in a graph they give NaN rows)."""
-    if not tf.executing_eagerly():
-        return
-    low, high = int(tf.reduce_min(labels)), int(tf.reduce_max(labels))
-    if low < 0 or high >= classes:
-        bad = low if low < 0 else high
-        raise tf.errors.InvalidArgumentError(
-            None, None, f"Received a label value of {bad} which is outside the valid range of [0, {classes})."
-        )
+def _checked_labels(labels: tf.Tensor, classes: int) -> tf.Tensor:
+    """Out-of-range labels raise as in TF's kernel: eagerly now; in a Keras step on a mesh on the
+    host after the step (``_step_checks``: clipped in it); in another traced program they give
+    NaN rows."""
+    return _step_checks.checked_indices(
+        tf.cast(labels, tf.int32), classes, f"Received a label value of {{value}} which is outside the valid range of [0, {classes})."
+    )
 
 
 def _tf_ce(original, labels=None, logits=None, name=None):
