@@ -40,24 +40,37 @@ TINY = {
     "moe_intermediate_dim": 16, "shared_expert_intermediate_dim": 32, "attention_bias": False, "head_size": 8,
     "hidden_size": 32, "num_groups": 1, "attention_dropout": 0.0, "filter_dim": 64,
     "shared_expert_intermediate_size": 32,
+    # vision backbones
+    "image_shape": (16, 16, 3), "patch_size": 4, "mlp_dim": 64, "input_conv_filters": [64],
+    "input_conv_kernel_sizes": [3], "stackwise_num_filters": [64, 64], "stackwise_num_blocks": [1, 1],
+    "stackwise_num_strides": [1, 2], "block_type": "basic_block", "stackwise_num_repeats": [1, 1],
+}
+# families TINY builds but that cannot be built from it, with the reason
+NOT_BUILT = {
+    "SwinTransformerBackbone": "num_heads is a list per stage here, an int in every other family",
 }
 
-def text_backbones() -> list[str]:
-    """Names of keras-hub's exported ``*Backbone`` classes whose inputs are token ids."""
-    names = []
+def backbones(inputs: str = "tokens,images") -> list[str]:
+    """Names of keras-hub's exported ``*Backbone`` classes whose inputs are token ids (``tokens``,
+    a ``vocabulary_size`` parameter) or images (``images``, an ``image_shape`` parameter)."""
+    names = {"tokens": [], "images": []}
     for name in sorted(dir(keras_hub.models)):
         cls = getattr(keras_hub.models, name)
         if not (name.endswith("Backbone") and inspect.isclass(cls) and name != "Backbone"):
             continue
         params = inspect.signature(cls.__init__).parameters
         if "vocabulary_size" in params:
-            names.append(name)
-    return names
+            names["tokens"].append(name)
+        elif "image_shape" in params:
+            names["images"].append(name)
+    return [name for kind in inputs.split(",") for name in names[kind]]
 
 
 def tiny_config(name: str) -> dict[str, Any] | str:
     """The backbone's constructor arguments from TINY, or why it cannot be built from them."""
     cls = getattr(keras_hub.models, name)
+    if name in NOT_BUILT:
+        return NOT_BUILT[name]
     config = {}
     for param in list(inspect.signature(cls.__init__).parameters.values())[1:]:
         if param.kind in (param.VAR_KEYWORD, param.VAR_POSITIONAL):
@@ -77,7 +90,7 @@ def build(name: str) -> keras.Model:
     return getattr(keras_hub.models, name)(**config)
 
 
-def inputs_for(backbone: keras.Model) -> dict[str, np.ndarray]:
+def inputs_for(backbone: keras.Model) -> dict[str, np.ndarray] | np.ndarray:
     rng = np.random.default_rng(0)
     data = {}
     for spec in backbone.inputs:
@@ -92,6 +105,8 @@ def inputs_for(backbone: keras.Model) -> dict[str, np.ndarray]:
             data[key] = np.zeros((BATCH, SEQ), "int32")
         else:
             data[key] = rng.integers(0, VOCAB, (BATCH, SEQ)).astype("int32")
+    if len(data) == 1 and not isinstance(backbone._inputs_struct, dict):
+        return next(iter(data.values()))  # one input: its array (an image backbone's functional input)
     return data
 
 
@@ -107,7 +122,8 @@ def llama_pattern_map(backbone: keras.Model, mesh: Any) -> keras.distribution.La
     """A map in the pattern of keras-hub's ``LlamaBackbone.get_layout_map`` from the variables'
     paths and shapes: token embeddings ``(model, batch)``, q/k/v kernels ``(model, batch, None)``,
     attention output ``(model, None, batch)``, dense kernels widening the hidden dim
-    ``(batch, model)``, those narrowing it ``(model, batch)``."""
+    ``(batch, model)``, those narrowing it ``(model, batch)``; convolution kernels' output channels
+    over ``model``."""
     layout_map = keras.distribution.LayoutMap(mesh)
     hidden = TINY["hidden_dim"]
     for v in _distinct(backbone.weights):
@@ -123,6 +139,8 @@ def llama_pattern_map(backbone: keras.Model, mesh: Any) -> keras.distribution.La
             layout_map[key] = ("batch", "model")
         elif len(shape) == 2 and shape[1] == hidden and shape[0] > hidden:
             layout_map[key] = ("model", "batch")
+        elif len(shape) == 4:  # a convolution's kernel: output channels over model
+            layout_map[key] = (None, None, None, "model")
     return layout_map
 
 
@@ -208,6 +226,49 @@ def check(name: str, mesh_shape: tuple[int, int], kind: str) -> None:
         keras.distribution.set_distribution(None)
 
 
+def causal_lm_of(name: str) -> type | None:
+    """keras-hub's causal LM task of a backbone family (``LlamaBackbone`` -> ``LlamaCausalLM``)."""
+    return getattr(keras_hub.models, name[: -len("Backbone")] + "CausalLM", None)
+
+
+GENERATE_LENGTH = 12  # SEQ prompt positions of which the last 4 are generated
+
+
+def _generated(lm: keras.Model, prompt: dict) -> np.ndarray:
+    lm.compile(sampler="greedy")
+    return np.asarray(lm.generate(prompt, max_length=GENERATE_LENGTH, stop_token_ids=None)["token_ids"])
+
+
+def check_generate(name: str, mesh_shape: tuple[int, int], kind: str) -> None:
+    """Greedy ``generate`` (the key/value cache, the sampling loop) under the map equals one device's
+    tokens, from the same weights."""
+    task = causal_lm_of(name)
+    rng = np.random.default_rng(2)
+    ids = rng.integers(1, VOCAB, (4, GENERATE_LENGTH)).astype("int32")
+    mask = np.zeros_like(ids, dtype=bool)
+    mask[:, : GENERATE_LENGTH - 4] = True  # the prompt; generate fills the rest
+    prompt = {"token_ids": ids * mask, "padding_mask": mask}
+    one = task(backbone=build(name), preprocessor=None)
+    start = one.get_weights()
+    want = _generated(one, prompt)
+
+    mesh = keras.distribution.DeviceMesh(mesh_shape, ["batch", "model"])
+    backbone = build(name)
+    layout_map = (llama_pattern_map(backbone, mesh) if kind == "llama"
+                  else random_map(backbone, mesh, np.random.default_rng(sum(map(ord, name)))))
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map,
+                                                                         batch_dim_name="batch"))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            lm = task(backbone=build(name), preprocessor=None)
+            lm.set_weights(start)
+            got = _generated(lm, prompt)
+        np.testing.assert_array_equal(got, want)
+    finally:
+        keras.distribution.set_distribution(None)
+
+
 def markdown_table(results: dict[str, str]) -> str:
     """Family x (mesh, map kind) table of ``main``'s results: ok, skipped or the failure."""
     columns = [f"{m}-{k}" for m in ("2x4", "4x2", "1x8") for k in ("llama", "random")]
@@ -228,7 +289,7 @@ def markdown_table(results: dict[str, str]) -> str:
 def main(out: str, meshes: str = "2x4,4x2,1x8", kinds: str = "llama,random") -> None:
     """Every family x mesh x map kind; writes {case: "ok" or the first line of the failure}."""
     results = {}
-    for name in text_backbones():
+    for name in backbones():
         config = tiny_config(name)
         for shape in [tuple(int(n) for n in m.split("x")) for m in meshes.split(",")]:
             for kind in kinds.split(","):
@@ -248,8 +309,9 @@ def main(out: str, meshes: str = "2x4,4x2,1x8", kinds: str = "llama,random") -> 
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "--case":  # one case, for a test that runs each in its own process
-        check(sys.argv[2], tuple(int(n) for n in sys.argv[3].split("x")), sys.argv[4])
+    if sys.argv[1] in ("--case", "--generate"):  # one case, for a test that runs each in its own process
+        (check if sys.argv[1] == "--case" else check_generate)(
+            sys.argv[2], tuple(int(n) for n in sys.argv[3].split("x")), sys.argv[4])
         print("ZOO CASE OK")
     else:
         main(*sys.argv[1:])  # out.json [meshes, e.g. 2x4,4x2] [kinds, e.g. llama,random]

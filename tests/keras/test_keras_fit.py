@@ -388,3 +388,37 @@ def test_a_model_built_in_a_distribution_scope_trains_outside_it_like_one_device
     for a, b in zip(reference.get_weights(), model.get_weights()):
         np.testing.assert_allclose(b, a, atol=1e-5)
     np.testing.assert_allclose(model.predict(x, verbose=0), reference.predict(x, verbose=0), atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel_axes", [(None, None, None, "model"), (None, None, "model", None)])
+def test_a_conv_with_a_channel_sharded_kernel_runs_eagerly_predicts_and_trains_as_one_device(kernel_axes):
+    """TF DTensor's conv expander refuses a sharded filter ("Filter for convolution must have
+    fully replicated layout"), op by op as well as traced: the eager call runs traced and
+    legalized (keras/_eager_calls.py, tensor/_legalize.py); fit with SGD equals one device."""
+    x = np.random.default_rng(5).standard_normal((8, 6, 6, 4)).astype("float32")
+    y = np.random.default_rng(6).standard_normal((8, 4, 4, 8)).astype("float32")
+
+    def make():
+        keras.utils.set_random_seed(1)
+        return keras.Sequential([keras.Input((6, 6, 4)), keras.layers.Conv2D(8, 3, name="conv")])
+
+    one = make()
+    start, eager, predicted = one.get_weights(), one(x).numpy(), one.predict(x, verbose=0)
+    one.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    losses = one.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False).history["loss"]
+
+    mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"], devices=keras.distribution.list_devices())
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*conv/kernel"] = kernel_axes
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch"))
+    model = make()
+    model.set_weights(start)
+    held = dtensor.fetch_layout(model.layers[0].kernel.value).sharding_specs
+    assert tuple(held) == tuple(a or dtensor.UNSHARDED for a in kernel_axes)
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(model(x)), eager, atol=1e-5)
+    np.testing.assert_allclose(model.predict(x, verbose=0), predicted, atol=1e-5)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    got = model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False).history["loss"]
+    np.testing.assert_allclose(got, losses, rtol=1e-5)
+    for a, b in zip(one.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(b, a, atol=1e-5)

@@ -147,3 +147,25 @@ def test_empty_batch_sharded_tensors_gather_relayout_and_run_in_programs(tf_mesh
     out = _legalize.Legalizer(tf.function(doubled_whole))(empty)
     assert out.shape == (0, 8) and dtensor.fetch_layout(out).is_fully_replicated()
     assert _runtime.gather_lowering_is_collective() == lowering  # the switch is back for other programs
+
+
+def test_a_gather_over_two_mesh_dims_tf_cannot_lower_is_expanded_with_its_all_reduce_lowering(tf_mesh):
+    """A relayout gathering both mesh dims of ``(dp, tp, -)`` at once: TF's CollectiveGatherV2
+    lowering fails to compile it (docs/tf_dtensor_repros/all_gather_two_mesh_dims.py); the
+    legalizer expands that program again with TF's all-reduce lowering."""
+    from tfdist import _runtime
+
+    if not _runtime.gather_lowering_is_collective():
+        pytest.skip("TFDIST_GATHER_LOWERING=reduce: TF's default lowering, which compiles it")
+    v = RNG.standard_normal((4, 8, 4)).astype(np.float32)
+    x = _put(tf_mesh, v, "dp", "tp", U)
+
+    def gather(t):
+        return dtensor.relayout(t, dtensor.Layout.replicated(tf_mesh, 3))
+
+    with pytest.raises(tf.errors.OpError) as refused:
+        _as_tf_expands(gather, x)
+    assert _legalize.gather_lowering_failed(refused.value)
+    legalizer = _legalize.Legalizer(tf.function(gather))
+    np.testing.assert_array_equal(dtensor.unpack(legalizer(x))[0].numpy(), v)
+    assert legalizer.gathers_by_all_reduce and _runtime.gather_lowering_is_collective()  # switched back after

@@ -8,7 +8,10 @@ Gemma builds its mask in ``_compute_attention_mask``). Listing those sites
 cannot end, so an eager call of a built layer whose variables are DTensors
 that TF DTensor refuses this way runs again as a ``tf.function`` of Keras'
 own ``Layer.__call__`` (and from then on directly): in a traced program those
-tensors are constants that TF DTensor's layout propagation replicates. A
+tensors are constants that TF DTensor's layout propagation replicates.  So does a layer with an
+eager op whose SPMD expander refuses its operands' layouts (a ``Conv2D`` whose kernel is sharded
+on its channels, ``conv_spmd_expander.cc``): op by op nothing can change those layouts; traced,
+``tensor/_legalize.py`` pins the op to layouts its expander accepts. A
 layer whose eager call works keeps eager semantics (torch's: hooks see eager
 DTensors, eager checks raise); the innermost refused layer is the one traced.
 A refused op fails before it runs, and the ops before it in a layer's call
@@ -30,6 +33,7 @@ from keras.src.backend.common.keras_tensor import any_symbolic_tensors
 from keras.src.backend.common.stateless_scope import in_stateless_scope
 
 from tfdist.keras import _variables
+from tfdist.tensor import _legalize
 from tfdist.tensor._traced_call import TracedCall
 
 __all__ = ["runs_traced", "eager_call"]
@@ -52,8 +56,11 @@ def eager_call(layer: Any, call: Callable, args: tuple, kwargs: dict) -> Any:
     if traced is None:
         try:
             return call(layer, *args, **kwargs)
-        except tf.errors.UnimplementedError as error:
-            if _REFUSED not in str(error):
+        except tf.errors.OpError as error:
+            refused_host_tensor = isinstance(error, tf.errors.UnimplementedError) and _REFUSED in str(error)
+            # an eager op whose expander refuses its layouts: traced, its program is legalized
+            # (every tf.function call goes through tensor/_legalize.py), op by op it cannot be
+            if not refused_host_tensor and _legalize.parse_failure(error, (args, kwargs)) is None:
                 raise
         ref = weakref.ref(layer)  # a strong reference from the cached value would keep the layer alive
         traced = _TRACED[layer] = TracedCall(

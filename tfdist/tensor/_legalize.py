@@ -410,6 +410,24 @@ def _note_empty(outputs: Any) -> None:
         _EMPTY.restore = _runtime.all_reduce_gather_lowering()
 
 
+def gather_lowering_failed(error: BaseException) -> bool:
+    """TF DTensor's CollectiveGatherV2 lowering failed to compile a gather over two mesh dims at
+    once that an expander emitted (docs/tf_dtensor_repros/all_gather_two_mesh_dims.py):
+    ``collective_lowering.cc``: "'tf.Reshape' op requires 'output' number of elements to match"."""
+    message = str(error)
+    return (_runtime.gather_lowering_is_collective() and "collective_lowering.cc" in message
+            and "number of elements to match" in message)
+
+
+@contextlib.contextmanager
+def _all_reduce_gathers() -> Iterator[None]:
+    restore = _runtime.all_reduce_gather_lowering()
+    try:
+        yield
+    finally:
+        restore()
+
+
 def _explain(failure: Failure, pinned: bool) -> LayoutLegalizationError:
     specs = dict.fromkeys("(" + ", ".join(_specs(layout)) + ")" for layout in failure.layouts)
     layouts = "; ".join(specs) or "(none printed)"
@@ -429,6 +447,14 @@ class Legalizer:
     def __init__(self, function: Any) -> None:
         self.function = function
         self.plan = Plan()
+        self.gathers_by_all_reduce = False  # expanded with TF's all-reduce gather lowering
+
+    def lower_gathers_by_all_reduce(self) -> None:
+        """From now on the program is expanded with TF's all-reduce lowering of all-gathers."""
+        _LOG.info("TF DTensor's CollectiveGatherV2 lowering failed on a gather over two mesh dims; expanding "
+                  "the program again with its all-reduce lowering")
+        self.gathers_by_all_reduce = True
+        self.function = self.function._clone(None)
 
     def run(self, attempt: Callable[[Any], T], failure: tuple[Failure, str] | None = None, args: Any = ()) -> T:
         rounds = 0
@@ -441,13 +467,17 @@ class Legalizer:
                           found.op_type, found.op_name, found.reason, self.plan.pins[_kind(found.op_type, found.op_name)][0])
                 self.function = self.function._clone(None)
                 rounds += 1
-            with tagging(self.plan):
+            lowering = _all_reduce_gathers() if self.gathers_by_all_reduce else contextlib.nullcontext()
+            with tagging(self.plan), lowering:
                 try:
                     return attempt(self.function)
                 except tf.errors.OpError as error:
                     found = parse_failure(error, args)
                     if found is None:
-                        raise
+                        if self.gathers_by_all_reduce or not gather_lowering_failed(error):
+                            raise
+                        self.lower_gathers_by_all_reduce()
+                        continue
                     failure = (found, str(error))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -476,10 +506,12 @@ def legalizing_call(original: Callable[..., Any]) -> Callable[..., Any]:
                 return original(self, *args, **kwargs)
             except tf.errors.OpError as error:
                 found = parse_failure(error, (args, kwargs))
-                if found is None:
+                if found is None and not gather_lowering_failed(error):
                     raise
-                failure = (found, str(error))
+                failure = (found, str(error)) if found is not None else None
         legalizer = _LEGALIZED[self] = Legalizer(self)
+        if failure is None:
+            legalizer.lower_gathers_by_all_reduce()
         return legalizer.run(lambda function: original(function, *args, **kwargs), failure, (args, kwargs))
 
     return __call__
