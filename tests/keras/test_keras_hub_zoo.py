@@ -71,9 +71,9 @@ KNOWN_CASES = {
     "DeiTBackbone-2x4-random": "TF's pfor (vectorized map) fails on a DTensor in the traced step (AssertionError "
                                "in control_flow_ops._pfor_impl)",
     "DenseNetBackbone-2x4-llama": "TF DTensor: 'tf.AvgPoolGrad' op does not implement layout propagation",
-    "DenseNetBackbone-4x2-random": "an eager Conv2D on a mesh: 'op failed to infer returned types' (not an expander "
-                                   "refusal the eager path reads)",
-    "ResNetBackbone-4x2-llama": "as DenseNetBackbone-4x2-random",
+    "DenseNetBackbone-4x2-random": "the eager conv call, traced: TF's CollectiveGatherV2 lowering fails on a gather "
+                                   "over two mesh dims ('tf.Reshape' op requires 'output' number of elements to "
+                                   "match) and the all-reduce-lowering retry does not reach it (not diagnosed)",
     "ViTBackbone-2x4-llama": "a Tile TF emits in the conv patch embedding's gradient ('tf.Tile' op requires "
                              "input.shape[2] (8) * 1 to be equal to output.shape[2] (32)), refused with every "
                              "Tile replicated",

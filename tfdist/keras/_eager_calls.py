@@ -40,6 +40,7 @@ __all__ = ["runs_traced", "eager_call"]
 
 _TRACED: "weakref.WeakKeyDictionary[Any, TracedCall]" = weakref.WeakKeyDictionary()
 _REFUSED = "but was expecting a DTensor"  # dtensor_device.cc's refusal of a host tensor
+_EAGER_OP = '"eager_operation"'  # the MLIR location TF DTensor gives an eager op it compiles
 
 
 def runs_traced(layer: Any, args: tuple, kwargs: dict) -> bool:
@@ -60,7 +61,9 @@ def eager_call(layer: Any, call: Callable, args: tuple, kwargs: dict) -> Any:
             refused_host_tensor = isinstance(error, tf.errors.UnimplementedError) and _REFUSED in str(error)
             # an eager op whose expander refuses its layouts: traced, its program is legalized
             # (every tf.function call goes through tensor/_legalize.py), op by op it cannot be
-            if not refused_host_tensor and _legalize.parse_failure(error, (args, kwargs)) is None:
+            # (or an eager op TF DTensor cannot compile at all: "eager_operation" is its location)
+            if not (refused_host_tensor or _legalize.parse_failure(error, (args, kwargs)) is not None
+                    or (isinstance(error, tf.errors.UnknownError) and _EAGER_OP in str(error))):
                 raise
         ref = weakref.ref(layer)  # a strong reference from the cached value would keep the layer alive
         traced = _TRACED[layer] = TracedCall(
