@@ -50,20 +50,12 @@ KNOWN_CASES = {
     "QwenMoeBackbone-1x8-random": _UNEVEN,
     "LlamaBackbone-4x2-random": "TF's SliceOp at run time: 'Unhandled input dimensions' in the backward of "
                                 "the key/value repeat (a DTensorAllScatter TF emits)",
-    "GemmaBackbone-4x2-random": "a relayout TF emits gathers two mesh dims at once, which its CollectiveGatherV2 "
-                                "lowering cannot (docs/tf_dtensor_repros/all_gather_two_mesh_dims.py)",
     "T5Backbone-2x4-random": "an eager MatMul on a mesh whose contracting dim is sharded over different mesh "
                              "dims (op by op, not in a traced program tfdist can legalize)",
-    "WhisperBackbone-4x2-random": "an eager Conv2D on a mesh: 'Filter for convolution must have fully replicated "
-                                  "layout' (op by op)",
     "XLNetBackbone-2x4-llama": "TF DTensor's StridedSlice layout propagation refuses the relative attention's "
                                "slice ('ComputeLayoutForward error: sharding spec'): a propagation error, "
                                "before any expander",
     "XLNetBackbone-2x4-random": "as XLNetBackbone-2x4-llama",
-    "Llama3Backbone-2x4-random": "a relayout TF emits in a rank-2 FSDP product gathers two mesh dims at once, "
-                                 "which its CollectiveGatherV2 lowering cannot ('tf.Reshape' op requires 'output' "
-                                 "number of elements to match)",
-    "WhisperBackbone-2x4-llama": "as Llama3Backbone-2x4-random",
     # vision families
     "DINOV2Backbone-2x4-llama": "values differ from one device's (not diagnosed yet)",
     "DINOV2Backbone-4x2-random": "an eager ConcatV2 of a host [1, 16, 32] tensor outside any layer call tfdist traces "
@@ -74,11 +66,6 @@ KNOWN_CASES = {
     "DenseNetBackbone-4x2-random": "the eager conv call, traced: TF's CollectiveGatherV2 lowering fails on a gather "
                                    "over two mesh dims ('tf.Reshape' op requires 'output' number of elements to "
                                    "match) and the all-reduce-lowering retry does not reach it (not diagnosed)",
-    "ViTBackbone-2x4-llama": "a Tile TF emits in the conv patch embedding's gradient ('tf.Tile' op requires "
-                             "input.shape[2] (8) * 1 to be equal to output.shape[2] (32)), refused with every "
-                             "Tile replicated",
-    "ViTBackbone-4x2-random": "Conv2DBackpropFilter refused ('only supports batch parallel layouts') with its "
-                              "operands and results replicated",
 }
 
 

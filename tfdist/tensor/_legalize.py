@@ -477,6 +477,7 @@ class Legalizer:
                         if self.gathers_by_all_reduce or not gather_lowering_failed(error):
                             raise
                         self.lower_gathers_by_all_reduce()
+                        failure = None  # the pins so far stand; nothing new to pin
                         continue
                     failure = (found, str(error))
 
