@@ -185,6 +185,18 @@ def _held_axes(variable) -> tuple:
     return tuple(None if s == dtensor.UNSHARDED else s for s in specs)
 
 
+def distribute(name: str, mesh_shape: tuple[int, int], kind: str) -> keras.distribution.LayoutMap:
+    """Sets the distribution of a case: ``kind``'s map (``llama`` or ``random``, seeded by the
+    family's name) on a ``(batch, model)`` mesh of ``mesh_shape``; returns the map."""
+    mesh = keras.distribution.DeviceMesh(mesh_shape, ["batch", "model"])
+    backbone = build(name)
+    layout_map = (llama_pattern_map(backbone, mesh) if kind == "llama"
+                  else random_map(backbone, mesh, np.random.default_rng(sum(map(ord, name)))))
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map,
+                                                                         batch_dim_name="batch"))
+    return layout_map
+
+
 def check(name: str, mesh_shape: tuple[int, int], kind: str) -> None:
     """Raises AssertionError where the family under the map differs from one device."""
     one = trainable(build(name))
@@ -194,12 +206,7 @@ def check(name: str, mesh_shape: tuple[int, int], kind: str) -> None:
     eager, predicted = keras.ops.convert_to_numpy(one(data)), one.predict(data, verbose=0)
     losses = _train(one, data, target)
 
-    mesh = keras.distribution.DeviceMesh(mesh_shape, ["batch", "model"])
-    backbone = build(name)
-    layout_map = (llama_pattern_map(backbone, mesh) if kind == "llama"
-                  else random_map(backbone, mesh, np.random.default_rng(sum(map(ord, name)))))
-    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map,
-                                                                         batch_dim_name="batch"))
+    layout_map = distribute(name, mesh_shape, kind)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
@@ -252,12 +259,7 @@ def check_generate(name: str, mesh_shape: tuple[int, int], kind: str) -> None:
     start = one.get_weights()
     want = _generated(one, prompt)
 
-    mesh = keras.distribution.DeviceMesh(mesh_shape, ["batch", "model"])
-    backbone = build(name)
-    layout_map = (llama_pattern_map(backbone, mesh) if kind == "llama"
-                  else random_map(backbone, mesh, np.random.default_rng(sum(map(ord, name)))))
-    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map,
-                                                                         batch_dim_name="batch"))
+    layout_map = distribute(name, mesh_shape, kind)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
