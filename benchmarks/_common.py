@@ -28,10 +28,28 @@ def time_call(fn: Callable[[], object], sync: Callable[[object], None], *, warmu
     return statistics.median(samples)
 
 
+ENV_PREFIXES = ("TF_", "XLA_", "KERAS_", "JAX_", "OMP_", "MKL_", "TFDIST_", "CUDA_", "ONEDNN_", "DNNL_")
+
+
+def env_switches() -> dict[str, str]:
+    """The environment switches a run was given (TF, XLA, Keras, JAX, threading, oneDNN)."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)}
+
+
+def host() -> dict:
+    """The machine a result was measured on: CPU model, cores, Python, OS, environment switches."""
+    cpu = platform.processor()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    return {"cpu": cpu, "cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
+            "env": env_switches()}
+
+
 def write_results(name: str, rows: list[dict], meta: dict) -> pathlib.Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
-    payload = {"benchmark": name, "machine": {"cpus": os.cpu_count(), "python": platform.python_version()}, **meta, "rows": rows}
+    payload = {"benchmark": name, "machine": host(), **meta, "rows": rows}
     path.write_text(json.dumps(payload, indent=1))
     return path
 

@@ -41,8 +41,9 @@ consecutive blocks, and a program's step time is its median block's mean step (t
 all of them is kept as ``window_ms``, and the process's CPU time per step over them, all
 threads, as ``cpu_ms``) -- the first step (trace + compile), how long ``fit`` takes to return after its last step, peak
 resident memory, and its logged losses.  The parent checks every program's losses against
-``one_device``'s at the steps it logged, takes medians over rounds, computes each goal ratio as
-the median over rounds of that round's ratio (with its range), and writes ``results/compare.json``,
+the same round's ``one_device``'s at the steps it logged (every round: a ratio with a program
+whose losses differ in any round is not printed), takes medians over rounds, computes each goal
+ratio as the median over rounds of that round's ratio (with its range), and writes ``results/compare.json``,
 ``results/compare.md`` (the table docs/performance.md quotes) and ``results/compare.png``.
 """
 
@@ -56,7 +57,7 @@ import sys
 import time
 
 import numpy as np
-from _common import RESULTS  # noqa: E402  (the results folder; run_all.py --quick moves it)
+from _common import RESULTS, host  # noqa: E402  (the results folder; run_all.py --quick moves it)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROGRAMS = ["one_device", "hand_written_one_device", "hand_written", "hand_written_synced", "hand_written_dp",
@@ -480,12 +481,28 @@ def _loss_diff(result: dict, reference: dict) -> float:
     return float(np.max(np.abs(np.array(result["losses"]) - want) / np.abs(want)))
 
 
+def _one_device_losses(by_program: dict) -> list[dict | None]:
+    """Per round, one device's losses by step (None where that round has none)."""
+    return [None if "losses" not in r else dict(zip(r.get("loss_steps", range(len(r["losses"]))), r["losses"]))
+            for r in by_program.get("one_device", [])]
+
+
+def _round_loss_diffs(results: list[dict], references: list[dict | None]) -> list[float | None]:
+    """Each round's loss difference against the same round's one device (the first round's where
+    that one failed); None for a run that failed or starts from its own weights."""
+    fallback = next((r for r in references if r is not None), None)
+    out = []
+    for i, r in enumerate(results):
+        ref = references[i] if i < len(references) and references[i] is not None else fallback
+        out.append(None if "losses" not in r or ref is None or r.get("own_initial_weights") else _loss_diff(r, ref))
+    return out
+
+
 def summarize(runs: dict) -> dict:
-    """Medians over rounds, and each program's losses against one device's."""
+    """Medians over rounds, and each program's losses against one device's, every round."""
     out = {}
     for workload, by_program in runs.items():
-        one = next((r for r in by_program.get("one_device", []) if "losses" in r), None)
-        reference = None if one is None else dict(zip(one.get("loss_steps", range(len(one["losses"]))), one["losses"]))
+        references = _one_device_losses(by_program)
         out[workload] = {}
         for program, results in by_program.items():
             ok = [r for r in results if "error" not in r]
@@ -498,10 +515,10 @@ def summarize(runs: dict) -> dict:
             for field in ("window_ms", "cpu_ms"):
                 if all(r.get(field) is not None for r in ok):
                     row[field] = float(np.median([r[field] for r in ok]))
-            if reference is not None and not ok[0].get("own_initial_weights"):
-                diff = _loss_diff(ok[0], reference)
-                row["loss_rel_diff"] = diff
-                row["losses_agree"] = diff <= LOSS_RTOL
+            diffs = [d for d in _round_loss_diffs(ok, references) if d is not None]
+            if diffs:
+                row["loss_rel_diff"] = max(diffs)  # the worst round
+                row["losses_agree"] = max(diffs) <= LOSS_RTOL
             else:
                 row["losses_agree"] = None  # not comparable: its own initial weights, or no one-device run
                 row["loss_check"] = "own init" if ok[0].get("own_initial_weights") else "no one_device run"
@@ -522,6 +539,13 @@ def ratios(runs: dict) -> list[dict]:
         key = "peak_rss_mb" if name.startswith("peak memory") else "step_ms"
         row = {"ratio": name, "goal": goal}
         for workload, by_program in runs.items():
+            references = _one_device_losses(by_program)
+            wrong = [p for p in (num, den) if any(d is not None and d > LOSS_RTOL for d in _round_loss_diffs(
+                [r for r in by_program.get(p, []) if "error" not in r], references))]
+            if wrong:  # a program that computes something else has no speed to compare
+                row[workload], row[f"{workload}_range"] = None, None
+                row[f"{workload}_check"] = f"losses differ from one device: {', '.join(wrong)}"
+                continue
             per_round = _paired(by_program.get(num, []), by_program.get(den, []), key)
             row[workload] = round(float(np.median(per_round)), 3) if per_round else None
             row[f"{workload}_range"] = [round(min(per_round), 3), round(max(per_round), 3)] if per_round else None
@@ -556,7 +580,7 @@ def markdown(summary: dict, ratio_rows: list[dict], meta: dict) -> str:
     lines += ["", "| ratio (median of per-round ratios; range over rounds; window: on whole-window means; cpu: on process CPU per step) | goal | " + " | ".join(workloads) + " |",
               "| --- | --- |" + " --- |" * len(workloads)]
     for row in ratio_rows:
-        cells = ["n/a" if row[w] is None else f"{row[w]:.2f} ({row[w + '_range'][0]:.2f}-{row[w + '_range'][1]:.2f})"
+        cells = [row.get(w + "_check", "n/a") if row[w] is None else f"{row[w]:.2f} ({row[w + '_range'][0]:.2f}-{row[w + '_range'][1]:.2f})"
                  + "".join(f"; {extra} {row[w + '_' + extra]:.2f}" for extra in ("window", "cpu")
                            if row.get(w + "_" + extra) is not None)
                  for w in workloads]
@@ -604,7 +628,7 @@ def main() -> None:
     ratio_rows = ratios(runs)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout.strip()
     meta = {"command": "python benchmarks/compare.py " + " ".join(sys.argv[1:]), "commit": commit or "unknown",
-            "rounds": args.rounds, "workloads": {w: WORKLOADS[w] for w in workloads}, "machine_cpus": os.cpu_count()}
+            "rounds": args.rounds, "workloads": {w: WORKLOADS[w] for w in workloads}, "machine": host()}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "compare.json"), "w") as f:
         json.dump({"meta": meta, "summary": summary, "ratios": ratio_rows, "runs": runs}, f, indent=1)

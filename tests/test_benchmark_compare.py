@@ -48,12 +48,32 @@ def test_goal_ratios_pair_the_programs_of_each_round_and_table():
     # rounds: 21/20, 23/22, 24/30 -> median 23/22 (not the ratio of medians, 23/22 by chance here too)
     assert tp["W1"] == pytest.approx(23 / 22, abs=1e-3)
     assert tp["W1_range"] == [pytest.approx(0.8), pytest.approx(1.05)]
-    assert rows["tfdist DataParallel fit 8 / MirroredStrategy fit 8"]["W1"] == pytest.approx(0.8)  # one paired round
+    # its losses differ from one device's: no ratio, and the table says why
+    assert rows["tfdist DataParallel fit 8 / MirroredStrategy fit 8"]["W1"] is None
+    assert rows["tfdist DataParallel fit 8 / MirroredStrategy fit 8"]["W1_check"] == (
+        "losses differ from one device: tfdist_data_parallel")
+    assert rows["peak memory: tfdist DataParallel / MirroredStrategy"]["W1"] is None
     assert rows["tfdist parallelize_module fit 2x4 / tf_keras LayoutMap fit 2x4"]["W1"] is None  # it failed
-    assert rows["peak memory: tfdist DataParallel / MirroredStrategy"]["W1"] == pytest.approx(0.75)
     table = compare.markdown(summary, compare.ratios(RUNS), {"command": "c", "commit": "abc", "rounds": 3})
     assert "| tf_keras_layout_map | fails: ValueError: no |" in table
     assert "| tfdist_data_parallel | 40.0 | 2.0 | 0.10 | 90 | no (5.6e-02) |" in table
+    assert "| tfdist DataParallel fit 8 / MirroredStrategy fit 8 | <= 1.00 | losses differ from one device" in table
+    fixed = {"W1": dict(RUNS["W1"], tfdist_data_parallel=[_run(40, [1.0, 0.9], rss=90)] * 2)}
+    rows = {r["ratio"]: r for r in compare.ratios(fixed)}
+    assert rows["tfdist DataParallel fit 8 / MirroredStrategy fit 8"]["W1"] == pytest.approx(0.8)  # one paired round
+    assert rows["peak memory: tfdist DataParallel / MirroredStrategy"]["W1"] == pytest.approx(0.75)
+
+
+def test_every_round_is_checked_against_that_round_s_one_device():
+    """A program right in its first round and wrong in its third has no ratio (was: only the first
+    round was checked, and the ratio printed)."""
+    runs = {"W1": {"one_device": [_run(10, [1.0, 0.9])] * 3,
+                   "hand_written": [_run(20, [1.0, 0.9])] * 3,
+                   "tfdist_parallelize": [_run(21, [1.0, 0.9]), _run(21, [1.0, 0.9]), _run(21, [1.0, 0.5])]}}
+    summary = compare.summarize(runs)["W1"]["tfdist_parallelize"]
+    assert summary["losses_agree"] is False and summary["loss_rel_diff"] == pytest.approx(0.4 / 0.9)
+    row = next(r for r in compare.ratios(runs) if r["ratio"].startswith("tfdist parallelize_module fit 2x4 / hand-written TF"))
+    assert row["W1"] is None
 
 
 def test_a_run_without_one_device_has_no_loss_check_and_still_tabulates():

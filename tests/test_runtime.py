@@ -194,3 +194,25 @@ def test_tf_dtensor_still_fails_on_empty_small_tensors_from_the_bfc_pool():
                              env={**clean, "TF_CPU_ALLOCATOR_USE_BFC": "0"}, timeout=300)
     assert pooled.returncode == 1 and "2 of 2 failed" in pooled.stdout, pooled.stdout + pooled.stderr[-1000:]
     assert default.returncode == 0 and "0 of 2 failed" in default.stdout, default.stdout + default.stderr[-1000:]
+
+
+@pytest.mark.parametrize("device_type, logical, physical, preset, chosen", [
+    ("GPU", 8, 8, None, "1"),     # one logical GPU per physical: NCCL
+    ("GPU", 8, 4, None, None),    # GPUs split into logical devices: TF refuses NCCL, the ring stays
+    ("GPU", 8, 8, "0", "0"),      # the user's choice stands
+    ("CPU", 8, 0, None, None),    # CPU and TPU meshes never touch it
+    ("TPU", 8, 0, None, None),
+])
+def test_a_gpu_mesh_sends_its_collectives_over_nccl_where_tf_can(monkeypatch, device_type, logical, physical,
+                                                                  preset, chosen):
+    from tfdist import _runtime
+
+    monkeypatch.delenv("DTENSOR_GPU_USE_NCCL_COMMUNICATION", raising=False)
+    if preset is not None:
+        monkeypatch.setenv("DTENSOR_GPU_USE_NCCL_COMMUNICATION", preset)
+    assert _runtime.prefer_nccl(device_type, logical, physical) is (chosen == "1" and preset is None)
+    assert os.environ.get("DTENSOR_GPU_USE_NCCL_COMMUNICATION") == chosen
+    # TF DTensor reads the switch by this name (tensorflow/dtensor/python/config.py)
+    from tensorflow.dtensor.python import config
+
+    assert config.gpu_use_nccl_communication() is (chosen not in (None, "0"))

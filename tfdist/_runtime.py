@@ -294,6 +294,31 @@ def get_world_size() -> int:
     return int(os.environ.get("DTENSOR_NUM_CLIENTS", "1"))
 
 
+# TF DTensor sends a GPU mesh's collectives over NCCL only when this is set before
+# ``initialize_accelerator_system`` (tensorflow/dtensor/python/accelerator_util.py:
+# ``context.context()._collective_use_nccl_communication = config.gpu_use_nccl_communication()``;
+# config.py: ``os.environ.get("DTENSOR_GPU_USE_NCCL_COMMUNICATION", "0") != "0"``), and its
+# reduce-scatter lowering reads it again (mlir/utils/collective_lowering.cc): without it a GPU
+# all-reduce runs TF's ring and a reduce-scatter becomes a whole all-reduce and a slice.  NCCL
+# needs one logical GPU per physical one (accelerator_util.py raises otherwise), so GPUs split
+# into logical devices keep the ring.  A value the user set is theirs.
+_NCCL_SWITCH = "DTENSOR_GPU_USE_NCCL_COMMUNICATION"
+
+
+def prefer_nccl(device_type: str, logical_gpus: int, physical_gpus: int) -> bool:
+    """Sets TF DTensor's NCCL switch for a GPU mesh where NCCL can run; True if it did."""
+    if device_type != "GPU" or _NCCL_SWITCH in os.environ or logical_gpus != physical_gpus:
+        return False
+    os.environ[_NCCL_SWITCH] = "1"  # TF's C++ reads only "0"/"1"/"true"/"false" here
+    return True
+
+
+def _start_accelerator_system(kind: str) -> None:
+    if kind == "GPU":
+        prefer_nccl(kind, len(tf.config.list_logical_devices("GPU")), len(tf.config.list_physical_devices("GPU")))
+    dtensor.initialize_accelerator_system(kind)
+
+
 def initialize_accelerators(device_type: str) -> None:
     """Starts the accelerator system once for ``device_type`` where TF needs it.
 
@@ -307,7 +332,7 @@ def initialize_accelerators(device_type: str) -> None:
         init_distributed(device_type.lower())
         return
     if device_type in ("GPU", "TPU"):
-        dtensor.initialize_accelerator_system(device_type)
+        _start_accelerator_system(device_type)
     _initialized_device_type = device_type
 
 
@@ -425,7 +450,7 @@ def init_distributed(device_type: str | None = None, *, timeout: float = 300.0) 
     if is_multi_client():
         _rendezvous(timeout)
     if is_multi_client() or kind in ("GPU", "TPU"):
-        dtensor.initialize_accelerator_system(kind)
+        _start_accelerator_system(kind)
     _initialized_device_type = kind
 
 

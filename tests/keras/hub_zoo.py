@@ -30,6 +30,9 @@ import keras_hub
 import tfdist.keras  # noqa: F401  (the TF backend of keras.distribution)
 from tfdist.keras import _variables
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
+import _hub_maps  # noqa: E402  (the Llama-pattern map, shared with benchmarks/keras_hub_vs_jax.py)
+
 VOCAB, SEQ, BATCH = 64, 8, 16
 
 # tiny values for the config arguments backbones share, by parameter name
@@ -119,29 +122,8 @@ def _distinct(weights: list) -> list:
 
 
 def llama_pattern_map(backbone: keras.Model, mesh: Any) -> keras.distribution.LayoutMap:
-    """A map in the pattern of keras-hub's ``LlamaBackbone.get_layout_map`` from the variables'
-    paths and shapes: token embeddings ``(model, batch)``, q/k/v kernels ``(model, batch, None)``,
-    attention output ``(model, None, batch)``, dense kernels widening the hidden dim
-    ``(batch, model)``, those narrowing it ``(model, batch)``; convolution kernels' output channels
-    over ``model``."""
-    layout_map = keras.distribution.LayoutMap(mesh)
-    hidden = TINY["hidden_dim"]
-    for v in _distinct(backbone.weights):
-        path, shape = v.path, tuple(v.shape)
-        key = "^" + re.escape(path) + "$"
-        if len(shape) == 2 and "embedding" in path and "position" not in path and shape[0] == VOCAB:
-            layout_map[key] = ("model", "batch")
-        elif len(shape) == 3 and shape[0] == hidden:
-            layout_map[key] = ("model", "batch", None)
-        elif len(shape) == 3 and shape[-1] == hidden:
-            layout_map[key] = ("model", None, "batch")
-        elif len(shape) == 2 and shape[0] == hidden and shape[1] > hidden:
-            layout_map[key] = ("batch", "model")
-        elif len(shape) == 2 and shape[1] == hidden and shape[0] > hidden:
-            layout_map[key] = ("model", "batch")
-        elif len(shape) == 4:  # a convolution's kernel: output channels over model
-            layout_map[key] = (None, None, None, "model")
-    return layout_map
+    """keras-hub's Llama map pattern for a tiny zoo backbone (benchmarks/_hub_maps.py)."""
+    return _hub_maps.llama_pattern_map(keras, backbone, mesh, TINY["hidden_dim"], VOCAB)
 
 
 def random_map(backbone: keras.Model, mesh: Any, rng: np.random.Generator) -> keras.distribution.LayoutMap:
