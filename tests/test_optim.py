@@ -164,3 +164,36 @@ def test_add_param_group_takes_unfrozen_layers_with_their_state_sharded(float64)
         np.testing.assert_allclose(v.numpy(), ref[name], atol=1e-10, err_msg=name)
     with pytest.raises(ValueError, match="params"):
         opt.add_param_group([model.layers[0].kernel])
+
+
+def _tape_grads(model, x, y):
+    with tf.GradientTape() as tape:
+        loss = keras.losses.mean_squared_error(y, model(x))
+    return tape.gradient(loss, model.trainable_variables)
+
+
+def test_step_with_a_closure_trains_like_plain_sgd(float64):
+    """``opt.step(closure)`` (torch's ``step``; Keras variables keep no ``.grad``, so the closure's
+    loss is differentiated in the step) on the params the optimizer was made with: the same
+    weights as one device's SGD written out with a tape; state sharded over the 8 devices."""
+    x, y = tf.constant(X[:16]), tf.constant(Y[:16])
+    ref = make_mlp()
+    ref_opt = keras.optimizers.SGD(0.1, momentum=0.9)
+    for _ in range(3):
+        with tf.GradientTape() as tape:
+            loss = keras.losses.mean_squared_error(y, ref(x))
+        ref_opt.apply(tape.gradient(loss, ref.trainable_variables), ref.trainable_variables)
+    data_parallel()
+    model = make_mlp()
+    opt = ZeroRedundancyOptimizer(model.trainable_variables, keras.optimizers.SGD, learning_rate=0.1, momentum=0.9)
+    step = tf.function(lambda: opt.step(lambda: keras.losses.mean_squared_error(y, model(x))))
+    for _ in range(2):
+        loss = step()
+    grads = tf.function(lambda: _tape_grads(model, x, y))()
+    opt.step(grads=grads)  # gradients the caller computed, applied as they are
+    assert loss is not None
+    assert max_weight_diff(model, ref) < 1e-10
+    momentum = [v for v in opt.variables if "momentum" in v.path]
+    assert momentum and any(local_numel(v) < int(np.prod(v.shape)) for v in momentum)  # sharded state
+    with pytest.raises(TypeError, match="closure must be callable"):
+        opt.step(3.0)

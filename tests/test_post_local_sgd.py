@@ -210,3 +210,23 @@ def test_keras_hub_llama_under_ddp_fits_like_one_device():
         assert got.shape == (R,) + want[original.path].shape
         np.testing.assert_allclose(got, np.broadcast_to(want[original.path], got.shape), atol=1e-6,
                                    err_msg=original.path)
+
+
+def test_step_with_a_closure_is_torch_s_loop():
+    """torch's docs loop (``loss.backward(); opt.step()``) in its TF spelling: ``opt.step(closure)``
+    differentiates the closure's loss and applies it, then the averager: the numpy reference of
+    post-local SGD, traced."""
+    model, _, opt = local_sgd_model(start=2, period=3, warmup=2)
+
+    @tf.function
+    def step(x, y):
+        return opt.step(lambda: MSE(y, model(x)), variables=model.trainable_variables)
+
+    losses = [float(step(tf.constant(X), tf.constant(Y))) for _ in range(STEPS)]
+    assert_replicas(model, local_sgd_reference(start=2, period=3, warmup=2, allreduce_after=False))
+    assert losses[-1] < losses[0]
+
+    with pytest.raises(ValueError, match="pass closure .* or grads"):
+        opt.step()
+    with pytest.raises(ValueError, match="2 gradients for 4 variables"):
+        opt.step(grads=[None, None], variables=model.trainable_variables)

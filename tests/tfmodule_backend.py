@@ -158,6 +158,9 @@ class TFModuleBackend:
         param = layer.params()[name]
         self.place_variable(param, layout_fn(len(param.shape)))
 
+    def batch_norm_classes(self) -> tuple[type, ...]:
+        return ()  # the framework above has no batch norm
+
     def is_trainable(self, variable: Param) -> bool:
         return True  # every param of this framework is trained
 

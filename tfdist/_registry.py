@@ -57,6 +57,7 @@ class OptimizerState:
 
     slot_layout: Callable[..., Any] | None = None
     averager: Any = None  # PostLocalSGDOptimizer's model averager
+    params: Any = None  # the variables ZeroRedundancyOptimizer was given (what its step() updates)
 
 
 S = TypeVar("S")

@@ -157,6 +157,34 @@ def test_mixed_precision_keeps_master_weights():
     assert np.isfinite(history.history["loss"][0])
 
 
+def test_batch_norms_are_their_own_full_precision_units():
+    """torch's ``MixedPrecision._module_classes_to_ignore`` (its batch norms by default, Keras'
+    ``BatchNormalization`` here): with an auto-wrap policy each such layer is a unit of its own
+    without mixed precision, the rest computes in ``param_dtype``; without a policy, no unit."""
+    from tfdist import _registry
+
+    def make():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, name="up"),
+                                 keras.layers.BatchNormalization(name="bn"), keras.layers.Dense(4, name="down")])
+
+    model = FSDP(make(), device_mesh=mesh8(), auto_wrap_policy=ModuleWrapPolicy({keras.layers.Dense}),
+                 mixed_precision=MixedPrecision(param_dtype="bfloat16"))
+    unit = {name: _registry.module(model.get_layer(name)).fsdp for name in ("up", "bn", "down")}
+    assert all(u is not None for u in unit.values())
+    assert unit["bn"].mp.param_dtype is None
+    assert tf.as_dtype(unit["up"].mp.param_dtype) == tf.bfloat16 == tf.as_dtype(unit["down"].mp.param_dtype)
+    model.compile(optimizer="sgd", loss="mse")
+    x = RNG.standard_normal((16, 8)).astype("float32")
+    assert np.isfinite(model.fit(x, x[:, :4], batch_size=16, epochs=1, verbose=0).history["loss"][0])
+
+    kept = FSDP(make(), device_mesh=mesh8(), auto_wrap_policy=ModuleWrapPolicy({keras.layers.Dense}),
+                mixed_precision=MixedPrecision(param_dtype="bfloat16", _module_classes_to_ignore=()))
+    assert _registry.module(kept.get_layer("bn")).fsdp is None  # in the root unit, in bfloat16
+    with pytest.raises(TypeError, match="_module_classes_to_ignore"):
+        MixedPrecision(_module_classes_to_ignore=["BatchNormalization"])
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match=r"HYBRID_SHARD takes a 2-D \(replicate, shard\) device_mesh"):
         FSDP(make_gpt(), sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_mesh=mesh8())

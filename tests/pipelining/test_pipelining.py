@@ -550,6 +550,11 @@ def test_a_plan_of_your_own(float64):
 
     _, want = reference_grads()
     stages = stages_for(ScheduleLoopedBFS, blocks())
+    with pytest.warns(FutureWarning, match="use_full_backward"):  # torch's: accepted, no longer used
+        PipelineScheduleMulti(stages, 2, loss_fn=mse, use_full_backward=True)
+    # torch's LoopedBFS takes no chunk specs: a fourth positional argument is the merge spec
+    merge = TensorChunkSpec(0)
+    assert ScheduleLoopedBFS(stages, 2, mse, merge)._output_merge_spec is merge
     pipe = PipelineScheduleMulti(stages, 2, loss_fn=mse)
     with pytest.raises(ValueError, match="cannot proceed"):  # backward of stage 2 before stage 3's
         pipe.load_pipeline_order({0: ["0F0", "0F1", "2F0", "2F1", "2B0", "2B1", "0B0", "0B1"],

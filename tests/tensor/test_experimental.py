@@ -52,6 +52,17 @@ def test_local_map_megatron_rowwise_matmul_and_replicated_capture():
     np.testing.assert_allclose(y.numpy(), X @ w_np + 1.0, rtol=1e-5)
 
 
+def test_local_map_as_a_decorator_is_the_same_function():
+    """torch's ``@local_map(out_placements=..., ...)``: func omitted, the rest given by keyword."""
+    @local_map(out_placements=[Shard(0), Partial()], in_placements=[[Shard(0), Shard(1)]], device_mesh=MESH)
+    def sums(t):
+        return row_sums(t)
+
+    y = sums(distribute_tensor(X, MESH, [Shard(0), Shard(1)]))
+    assert y.placements == (Shard(0), Partial())
+    np.testing.assert_allclose(y.numpy(), X.sum(1, keepdims=True))
+
+
 def test_local_map_in_placements_and_redistribute_inputs():
     x = distribute_tensor(X, MESH, [Shard(0), Replicate()])
     f = local_map(lambda t: t * 2.0, [Shard(0), Shard(1)], in_placements=[[Shard(0), Shard(1)]])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import tensorflow as tf
 
@@ -11,7 +13,7 @@ from tfdist.distributions.distribution import Distribution
 from tfdist.distributions.exp_family import ExponentialFamily
 from tfdist.distributions.utils import broadcast_all
 
-__all__ = ["_two", "_positive_pair", "_one", "_OneParam", "_ProbsLogits", "_ParamShape", "_Support"]
+__all__ = ["torch_signature", "_two", "_positive_pair", "_one", "_OneParam", "_ProbsLogits", "_ParamShape", "_Support"]
 
 
 def clamp_probs(probs: tf.Tensor) -> tf.Tensor:
@@ -25,18 +27,37 @@ def _clamped_logit(probs: tf.Tensor) -> tf.Tensor:
     return tf.math.log(p) - tf.math.log1p(-p)
 
 
+def torch_signature(*names: str) -> inspect.Signature:
+    """``(self, *names, validate_args=None)``: the signature torch gives a family's ``__init__``."""
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    return inspect.Signature([inspect.Parameter("self", kind)] + [inspect.Parameter(n, kind) for n in names]
+                             + [inspect.Parameter("validate_args", kind, default=None)])
+
+
+def _bind(signature: inspect.Signature, self, args: tuple, kwargs: dict) -> dict:
+    """The arguments by name, or the TypeError a ``def`` with ``signature`` raises, naming the
+    class and the argument."""
+    try:
+        bound = signature.bind(self, *args, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"{type(self).__name__}{str(signature).replace('(self, ', '(', 1)}: {e}") from None
+    bound.apply_defaults()
+    return bound.arguments
+
+
 def _two(cls_name, tfp_name, first, second, support, has_rsample=True, mapping=None, exp_family=False):
     """A distribution with two real parameters ``first`` and ``second``."""
     base = ExponentialFamily if exp_family else _TFPBacked
+    signature = torch_signature(first, second)
 
-    def __init__(self, *args, validate_args=None, **kwargs):
-        names = (first, second)
-        values = dict(zip(names, args))
-        values.update(kwargs)
+    def __init__(self, *args, **kwargs):
+        values = _bind(signature, self, args, kwargs)
         a, b = broadcast_all(values[first], values[second])
         setattr(self, first, a)
         setattr(self, second, b)
-        Distribution.__init__(self, a.shape, (), validate_args)
+        Distribution.__init__(self, a.shape, (), values["validate_args"])
+
+    __init__.__signature__ = signature  # help(), IDEs: (loc, scale, validate_args=None), as torch's
 
     def _tfp(self):
         kwargs = (mapping or (lambda a, b: {first: a, second: b}))(getattr(self, first), getattr(self, second))
@@ -63,15 +84,19 @@ class _OneParam(_TFPBacked):
     _param: str = ""
     _constraint = constraints.positive
 
-    def __init__(self, *args, validate_args=None, **kwargs):
-        if len(args) + len(kwargs) != 1 or (kwargs and self._param not in kwargs):
-            raise TypeError(
-                f"{type(self).__name__} takes one parameter, {self._param!r}. Received: "
-                f"args={args!r}, kwargs={sorted(kwargs)!r}"
-            )
-        (v,) = broadcast_all(args[0] if args else kwargs[self._param])
-        setattr(self, self._param, v)
-        super().__init__(v.shape, (), validate_args)
+    def __init_subclass__(cls, **kwargs):
+        if "_param" in cls.__dict__:  # a family: its own signature, ``(param, validate_args=None)``
+            signature = torch_signature(cls._param)
+
+            def __init__(self, *args, **kwargs):
+                values = _bind(signature, self, args, kwargs)
+                (v,) = broadcast_all(values[self._param])
+                setattr(self, self._param, v)
+                super(_OneParam, self).__init__(v.shape, (), values["validate_args"])
+
+            __init__.__signature__ = signature
+            cls.__init__ = __init__
+        super().__init_subclass__(**kwargs)  # Distribution's, which wraps the __init__ just set
 
     @property
     def _params(self):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import math
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import tensorflow as tf
 
@@ -53,16 +53,31 @@ class BackwardPrefetch(enum.Enum):
 class MixedPrecision:
     """FSDP1's mixed precision: ``param_dtype``, ``reduce_dtype``; ``buffer_dtype`` and
     ``keep_low_precision_grads`` are accepted (Keras' non-trainable variables keep their dtype;
-    gradients reach the optimizer in the variable's dtype)."""
+    gradients reach the optimizer in the variable's dtype).  ``_module_classes_to_ignore``
+    (torch's default: its batch norms; here None means the framework's, Keras'
+    ``BatchNormalization``): with an ``auto_wrap_policy``, each layer of these classes is its own
+    unit in full precision, as torch wraps them.
+
+    Example::
+
+        model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}),
+                                         mixed_precision=MixedPrecision(param_dtype="bfloat16"))
+    """
 
     def __init__(
         self, param_dtype: Any = None, reduce_dtype: Any = None, buffer_dtype: Any = None,
         keep_low_precision_grads: bool = False, cast_forward_inputs: bool = False,
-        cast_root_forward_inputs: bool = True,
+        cast_root_forward_inputs: bool = True, _module_classes_to_ignore: Sequence[type] | None = None,
     ) -> None:
         self.policy = MixedPrecisionPolicy(param_dtype, reduce_dtype, None, cast_forward_inputs)
         self.root_policy = MixedPrecisionPolicy(param_dtype, reduce_dtype, None, cast_root_forward_inputs)
+        self.param_dtype = param_dtype
         self.buffer_dtype, self.keep_low_precision_grads = buffer_dtype, keep_low_precision_grads
+        if _module_classes_to_ignore is not None and not all(isinstance(c, type) for c in _module_classes_to_ignore):
+            raise TypeError("MixedPrecision(_module_classes_to_ignore=...) must be layer classes. Received: "
+                            f"{_module_classes_to_ignore!r}")
+        self._module_classes_to_ignore = (None if _module_classes_to_ignore is None
+                                          else tuple(_module_classes_to_ignore))
 
 
 class CPUOffload:
@@ -255,9 +270,20 @@ _NO_TF_MEANING = {"backward_prefetch", "forward_prefetch", "limit_all_gathers", 
                   "sync_module_states", "param_init_fn"}  # per unit: applied once, for the whole model
 
 
-def _units(modules, module: Any, policy: Callable | None) -> list[tuple[Any, dict]]:
+def _full_precision_classes(modules, mp: MixedPrecision) -> tuple[type, ...]:
+    """The layer classes wrapped alone in full precision: ``_module_classes_to_ignore`` when a
+    ``param_dtype`` is set (torch: ``_wrap_module_cls_individually`` with mixed precision off)."""
+    if mp.param_dtype is None:
+        return ()
+    given = mp._module_classes_to_ignore
+    return tuple(modules.batch_norm_classes() if given is None else given)
+
+
+def _units(modules, module: Any, policy: Callable | None, full_precision: tuple[type, ...] = ()
+           ) -> list[tuple[Any, dict]]:
     """The sublayers ``policy`` makes their own unit, children before parents, each with the FSDP1
-    arguments it overrides (a ``CustomPolicy`` may return a dict)."""
+    arguments it overrides (a ``CustomPolicy`` may return a dict); a layer of a
+    ``full_precision`` class is a unit of its own without mixed precision."""
     if policy is None:
         return []
     layers = [layer for _, layer in modules.named_layers(module) if modules.is_built(layer)]
@@ -269,6 +295,8 @@ def _units(modules, module: Any, policy: Callable | None) -> list[tuple[Any, dic
         free = [v for v in own if id(v) not in grouped]
         numel = sum(int(math.prod(v.shape)) for v in free)
         decision = policy(module=layer, recurse=False, nonwrapped_numel=numel) if free else False
+        if free and isinstance(layer, full_precision):
+            decision = {"mixed_precision": MixedPrecision()}
         if decision:
             overrides = dict(decision) if isinstance(decision, dict) else {}
             unknown = set(overrides) - _UNIT_ARGS - _NO_TF_MEANING
@@ -345,7 +373,7 @@ class FullyShardedDataParallel(metaclass=_FSDP1Meta):
         if sync_module_states:
             _sync_from_client_0(modules, module, device_mesh)
         mp = mixed_precision or MixedPrecision()
-        units = _units(modules, module, auto_wrap_policy)
+        units = _units(modules, module, auto_wrap_policy, _full_precision_classes(modules, mp))
         for unit, overrides in units:
             unit_mp = overrides.get("mixed_precision") or mp
             unit_strategy = overrides.get("sharding_strategy", strategy)

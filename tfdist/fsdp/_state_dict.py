@@ -61,7 +61,11 @@ class FullStateDictConfig(StateDictConfig):
 
 @dataclasses.dataclass
 class ShardedStateDictConfig(StateDictConfig):
-    """Sharded values as tfdist DTensors."""
+    """Sharded values as tfdist DTensors.  ``_use_dtensor`` is torch's switch between its
+    ``ShardedTensor`` and ``DTensor``; tfdist's sharded values are always DTensors (TF has no
+    ``ShardedTensor``), so either value gives them."""
+
+    _use_dtensor: bool = False
 
 
 @dataclasses.dataclass
@@ -81,7 +85,9 @@ class FullOptimStateDictConfig(OptimStateDictConfig):
 
 @dataclasses.dataclass
 class ShardedOptimStateDictConfig(OptimStateDictConfig):
-    pass
+    """Sharded optimizer state as tfdist DTensors (``_use_dtensor``: as ``ShardedStateDictConfig``)."""
+
+    _use_dtensor: bool = False
 
 
 @dataclasses.dataclass

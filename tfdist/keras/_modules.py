@@ -256,6 +256,9 @@ class KerasModules:
         else:
             _registry.module(layer).weight_layouts[name] = layout_fn
 
+    def batch_norm_classes(self) -> tuple[type, ...]:
+        return (keras.layers.BatchNormalization,)
+
     def is_trainable(self, variable: Any) -> bool:
         return bool(variable.trainable)
 

@@ -4,10 +4,11 @@ averages ``DistributedDataParallel``'s replicas with a model averager after each
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 from tfdist import _registry
 from tfdist.algorithms.model_averaging.averagers import ModelAverager
+from tfdist.optim._step import optimizer_step
 
 __all__ = ["PostLocalSGDOptimizer"]
 
@@ -31,6 +32,17 @@ class _PostLocalSGDMethods:
         variables = trainable_variables if trainable_variables is not None else self._trainable_variables
         self.averager.average_parameters(list(variables))
         return out
+
+    def step(self, closure: Callable[[], Any] | None = None, *, grads: Any = None, variables: Any = None) -> Any:
+        """One update then the averager (torch's ``step()``): ``closure`` computes and returns the
+        loss and is differentiated here (Keras variables keep no ``.grad``), or ``grads`` are
+        applied; to ``variables``, else those the optimizer was built on.  Returns the loss.
+
+        Example::
+
+            opt.step(lambda: loss_fn(y, model(x)), variables=model.trainable_variables)
+        """
+        return optimizer_step(self, closure, grads=grads, variables=variables)
 
     def state_dict(self) -> dict[str, Any]:
         """The optimizer's variables (numpy, in ``self.variables`` order) and the averager's ``step``,

@@ -16,7 +16,7 @@ broadcasts.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import keras
 import numpy as np
@@ -24,6 +24,7 @@ from tensorflow.experimental import dtensor
 
 from tfdist import _registry
 from tfdist.device_mesh import DeviceMesh
+from tfdist.optim._step import optimizer_step
 from tfdist.tensor._modules import module_backend
 
 __all__ = ["ZeroRedundancyOptimizer"]
@@ -67,6 +68,19 @@ class _ZeroMethods:
             raise ValueError(f"load_state_dict: the state_dict lacks {missing[:3]}{'...' if len(missing) > 3 else ''}")
         for path, variable in own.items():
             variable.assign(state_dict[path])
+
+    def step(self, closure: Callable[[], Any] | None = None, *, grads: Any = None, variables: Any = None) -> Any:
+        """One update (torch's ``step(closure)``): ``closure`` computes and returns the loss and is
+        differentiated here (Keras variables keep no ``.grad``), or ``grads`` are applied; to the
+        ``params`` the optimizer was made with, else ``variables``, else those it was built on.
+        Returns the closure's loss.
+
+        Example::
+
+            opt = ZeroRedundancyOptimizer(model.trainable_variables, keras.optimizers.Adam, learning_rate=1e-3)
+            loss = opt.step(lambda: keras.losses.mean_squared_error(y, model(x)))
+        """
+        return optimizer_step(self, closure, grads=grads, variables=variables)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Adds variables to the optimizer (torch: a new param group), e.g. layers unfrozen while
@@ -193,12 +207,14 @@ class ZeroRedundancyOptimizer:
         optimizer = subclass(**defaults)
         module_backend(optimizer, "ZeroRedundancyOptimizer")  # loads tfdist's Keras integration
         _registry.optimizer(optimizer).slot_layout = sharded_slot_layout(dp)
+        _registry.optimizer(optimizer).params = None if params is None else list(params)
         return optimizer
 
     # what the returned optimizer has, at torch's paths (ZeroRedundancyOptimizer.state_dict, ...)
     consolidate_state_dict = _ZeroMethods.consolidate_state_dict
     state_dict = _ZeroMethods.state_dict
     load_state_dict = _ZeroMethods.load_state_dict
+    step = _ZeroMethods.step
     add_param_group = _ZeroMethods.add_param_group
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import types
 from typing import Any, Callable, Sequence
 
 import keras
@@ -141,7 +142,14 @@ class Pipe:
         self._modules = stage_modules
         self._info = info
         self.num_stages = len(stage_modules)
-        self.has_loss_and_backward = False
+        self.has_loss_and_backward = False  # the loss is the schedule's loss_fn, not part of the pipe
+        self.loss_spec = None
+
+    @property
+    def split_gm(self) -> Any:
+        """torch's split ``GraphModule``: here an object whose ``submod_<i>`` is stage ``i``'s Keras
+        model (``pipe.split_gm.submod_0``), as torch names the submodules it cut."""
+        return types.SimpleNamespace(**{f"submod_{i}": m for i, m in enumerate(self._modules)})
 
     def get_stage_module(self, stage_idx: int) -> Any:
         if not 0 <= stage_idx < self.num_stages:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+import warnings
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -617,14 +618,18 @@ class Schedule1F1B(PipelineScheduleSingle):
     ``pipeline_order``, whose order is that loop's.
     """
 
-    def __init__(self, stage: Any, n_microbatches: int, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, stage: PipelineStage | Sequence[PipelineStage], n_microbatches: int,
+                 loss_fn: Callable | None = None, args_chunk_spec: tuple[TensorChunkSpec, ...] | None = None,
+                 kwargs_chunk_spec: dict[str, TensorChunkSpec] | None = None, output_merge_spec: Any = None,
+                 scale_grads: bool = True) -> None:
         num = (stage[0] if isinstance(stage, (list, tuple)) else stage).num_stages
         if isinstance(n_microbatches, int) and n_microbatches < num:
             raise ValueError(
                 f"n_microbatches={n_microbatches}: 1F1B needs at least as many microbatches as stages ({num}); "
                 f"use ScheduleGPipe or n_microbatches >= {num}."
             )
-        super().__init__(stage, n_microbatches, *args, **kwargs)
+        super().__init__(stage, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec,
+                         scale_grads)
 
     def _plan(self, rank: int) -> list[Action | None]:
         return _orders.one_f_one_b_plan_as_run(rank, self.pp_group_size, self._n_microbatches)
@@ -644,7 +649,10 @@ class PipelineScheduleMulti(_PipelineSchedule):
     def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int, loss_fn: Callable | None = None,
                  args_chunk_spec: tuple[TensorChunkSpec, ...] | None = None,
                  kwargs_chunk_spec: dict[str, TensorChunkSpec] | None = None, output_merge_spec: Any = None,
-                 scale_grads: bool = True) -> None:
+                 use_full_backward: bool | None = None, scale_grads: bool = True) -> None:
+        if use_full_backward is not None:  # as torch: accepted, no longer used
+            warnings.warn("PipelineScheduleMulti: 'use_full_backward' is no longer supported (as in torch); "
+                          "stop passing it, the schedule is unchanged.", FutureWarning, stacklevel=2)
         if not isinstance(stages, (list, tuple)) or not stages:
             raise TypeError(f"stages must be a non-empty list of PipelineStage. Received: {stages!r}")
         super().__init__(stages, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec,
@@ -667,6 +675,20 @@ class PipelineScheduleMulti(_PipelineSchedule):
                 )
         self._check_stages()
         self.pipeline_order = {r: self._plan(r) for r in range(self.pp_group_size)}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A named schedule takes torch's arguments of its class (no ``use_full_backward``)."""
+        super().__init_subclass__(**kwargs)
+        if "__init__" not in cls.__dict__:
+            def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int, loss_fn: Callable | None = None,
+                 args_chunk_spec: tuple[TensorChunkSpec, ...] | None = None,
+                 kwargs_chunk_spec: dict[str, TensorChunkSpec] | None = None, output_merge_spec: Any = None,
+                 scale_grads: bool = True) -> None:
+                PipelineScheduleMulti.__init__(self, stages, n_microbatches, loss_fn, args_chunk_spec,
+                                               kwargs_chunk_spec, output_merge_spec, scale_grads=scale_grads)
+
+            __init__.__doc__ = f"{cls.__name__}(stages, n_microbatches, loss_fn=None, ...): torch's arguments."
+            cls.__init__ = __init__
 
     def _rank_of(self, stage_index: int) -> int:
         return stage_index % self.pp_group_size
@@ -731,6 +753,12 @@ class ScheduleInterleaved1F1B(PipelineScheduleMulti):
 class ScheduleLoopedBFS(PipelineScheduleMulti):
     """Looped breadth-first: every microbatch through a rank's earlier stage before its later one."""
 
+    def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int, loss_fn: Callable | None = None,
+                 output_merge_spec: Any = None, scale_grads: bool = True) -> None:
+        # torch's order: no chunk specs, so a third positional argument after loss_fn is the merge spec
+        super().__init__(stages, n_microbatches, loss_fn, output_merge_spec=output_merge_spec,
+                         scale_grads=scale_grads)
+
     def _plan(self, rank: int) -> list[Action | None]:
         return _orders.looped_bfs(rank, self.pp_group_size, self.n_local_stages, self._n_microbatches)
 
@@ -776,14 +804,18 @@ class ScheduleDualPipeV(_VShaped):
     """DeepSeek's DualPipeV (torch's newest schedule): V-shaped, with a forward of one stage and a
     backward of the other paired in one ``OVERLAP_F_B`` action during the steady phase."""
 
-    def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int, loss_fn: Callable | None = None,
+                 args_chunk_spec: tuple[TensorChunkSpec, ...] | None = None,
+                 kwargs_chunk_spec: dict[str, TensorChunkSpec] | None = None, output_merge_spec: Any = None,
+                 scale_grads: bool = True) -> None:
         num = stages[0].num_stages if isinstance(stages, (list, tuple)) and stages else 0
         if isinstance(n_microbatches, int) and n_microbatches < num:
             raise ValueError(
                 f"n_microbatches={n_microbatches}: DualPipeV needs at least as many microbatches as stages "
                 f"({num})."
             )
-        super().__init__(stages, n_microbatches, *args, **kwargs)
+        super().__init__(stages, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec,
+                         scale_grads=scale_grads)
 
     def _plan(self, rank: int) -> list[Action | None]:
         return _orders.dualpipe_v(rank, self.pp_group_size, self._n_microbatches)

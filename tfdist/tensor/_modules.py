@@ -126,6 +126,10 @@ class ModuleBackend(Protocol):
     def set_weight_layout(self, layer: Any, name: str, layout_fn: Callable[[int], dtensor.Layout]) -> None:
         """Lays out a weight now (built) or when it is created (unbuilt)."""
 
+    def batch_norm_classes(self) -> tuple[type, ...]:
+        """The framework's batch-norm layer classes (torch's ``_BatchNorm``: FSDP1's
+        ``MixedPrecision`` keeps them in full precision by default)."""
+
     def is_trainable(self, variable: Any) -> bool:
         """True for a weight the optimizer updates (FSDP shards only those)."""
 

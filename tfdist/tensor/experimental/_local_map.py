@@ -166,8 +166,8 @@ def _from_stacked(
 
 
 def local_map(
-    func: Callable,
-    out_placements: Placements | Sequence[Placements | None] | None,
+    func: Callable | None = None,
+    out_placements: Placements | Sequence[Placements | None] | None = None,
     in_placements: Sequence[Placements | None] | None = None,
     device_mesh: DeviceMesh | None = None,
     *,
@@ -177,7 +177,9 @@ def local_map(
     """Wraps ``func`` (written for local shards) to take and return DTensors.
 
     Args:
-        func: a function of local ``tf.Tensor``s (and other values).
+        func: a function of local ``tf.Tensor``s (and other values).  None: returns a
+            decorator taking ``func`` with the other arguments (torch's
+            ``@local_map(out_placements=...)``).
         out_placements: placements of the output (one sequence), or one per
             output of a tuple/list result (``None`` for a non-tensor output).
         in_placements: per positional argument, the placements it must have
@@ -205,7 +207,15 @@ def local_map(
 
         f = local_map(lambda t: tf.nn.softmax(t * 2.0), [Shard(0)], [[Shard(0)]])
         y = f(x)   # x: DTensor [Shard(0)] -> y: DTensor [Shard(0)]
+
+        @local_map(out_placements=[Shard(0)], in_placements=[[Shard(0)]])
+        def softmax(t):
+            return tf.nn.softmax(t)
     """
+    if func is None:  # the decorator form
+        return functools.partial(local_map, out_placements=out_placements, in_placements=in_placements,
+                                 device_mesh=device_mesh, redistribute_inputs=redistribute_inputs,
+                                 jit_compile=jit_compile)
     if not callable(func):
         raise TypeError(f"func must be callable. Received: func={func!r}")
     if not isinstance(jit_compile, bool):
