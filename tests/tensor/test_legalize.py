@@ -96,7 +96,8 @@ def test_a_program_tf_expands_is_traced_once_and_pinned_nowhere(tf_mesh):
         return tf.reduce_sum(x * 2.0, axis=1)
 
     legalizer = _legalize.Legalizer(tf.function(double))
-    np.testing.assert_allclose(_numpy(tf_mesh, legalizer(_put(tf_mesh, x, "dp", "tp"))), (x * 2).sum(1), rtol=1e-6)
+    np.testing.assert_allclose(_numpy(tf_mesh, legalizer(_put(tf_mesh, x, "dp", "tp"))), (x * 2).sum(1),
+                               rtol=1e-5, atol=1e-5)  # a sum over 4 shards adds in another order
     assert legalizer.plan.pins == {} and len(traces) == 1
 
 
