@@ -253,21 +253,26 @@ def _matmuls(counts: collections.Counter) -> tuple[int, int]:
     return plain, fused
 
 
-def test_cpu_mesh_step_programs_skip_grappler_while_plain_code_keeps_it():
+def test_cpu_mesh_step_programs_run_only_grapplers_arithmetic_pass_while_plain_code_keeps_all():
     """Grappler's remapper fuses MatMul + BiasAdd (+ Relu) into _FusedMatMul on CPU; a step on a
-    CPU mesh is called without Grappler (keras/_trainer._program_options), plain TF code in the
-    same process and thread still gets it."""
+    CPU mesh is called with only Grappler's arithmetic optimizer (keras/_trainer._program_options):
+    no fused matmul, and the approximate GELU's ``Pow(x, 3)`` runs as multiplications. Plain TF
+    code in the same process and thread still gets every pass."""
     from tensorflow.python.eager import context
 
     keras.distribution.set_distribution(keras.distribution.ModelParallel(
         layout_map=keras.distribution.LayoutMap(keras.distribution.DeviceMesh((2, 4), ["batch", "model"])),
         batch_dim_name="batch"))
-    model = _mlp("grappler_probe")
+    keras.utils.set_random_seed(0)
+    gelu = keras.layers.Activation(lambda x: keras.activations.gelu(x, approximate=True))
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu", name="up"), gelu,
+                              keras.layers.Dense(8, name="down")], name="grappler_probe")
     model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
     before = context.context().function_call_options
     distributed = _executed_op_counts(lambda: model.fit(X, Y, batch_size=64, epochs=1, verbose=0), model.name)
     plain_matmuls, fused_matmuls = _matmuls(distributed)
     assert plain_matmuls > 0 and fused_matmuls == 0, distributed
+    assert distributed["Pow"] == 0 and distributed["Square"] > 0, distributed
     assert context.context().function_call_options is before  # the thread's options are back
 
     @tf.function

@@ -228,24 +228,32 @@ def _tensors_of(data) -> list:
 
 
 def _program_options(mesh) -> Any:
-    """What a distributed step program is called inside: on a CPU mesh, without Grappler.
+    """What a distributed step program is called inside: on a CPU mesh, Grappler's arithmetic
+    optimizer alone.
 
     A step on a mesh is one function that TF DTensor expands into a program per device; TF then
     runs Grappler (``tensorflow/core/grappler/optimizers/meta_optimizer.cc``) over the whole
-    expanded program, once per program, when it is first called. On CPUs that is time without
-    a return: keras-hub's Gemma on a 2x4 mesh of virtual CPUs (benchmarks/keras_hub_vs_jax.py)
-    takes 4.4 s less to its first step with the meta optimizer off (13.0 against 17.4 s) and
-    its step is not slower (docs/performance.md). On GPUs and TPUs Grappler's layout and fusion
-    passes pay, so they keep it. The option travels with the call (``FunctionCallOptions``,
-    read when a function is first instantiated; every call of a program passes the same one so
-    TF never instantiates it twice); plain TF code in the process keeps its own options."""
+    expanded program, once per program, when it is first called. On CPUs its default passes are
+    time without a return: keras-hub's Gemma on a 2x4 mesh of virtual CPUs takes 4.4 s less to
+    its first step without them (13.0 against 17.4 s) and its step is not slower. One pass pays:
+    the arithmetic optimizer rewrites ``Pow(x, 3)`` (the approximate GELU of Gemma, GPT-2 and
+    most keras-hub families) into ``x * Square(x)``, where TF's CPU kernel computes a generic
+    ``pow`` at 30x a multiplication's cost; a named list in ``rewrite_options.optimizers`` runs
+    only the passes named (``MetaOptimizer::InitializeOptimizersByName``). Numbers in
+    docs/performance.md. On GPUs and TPUs Grappler's layout and fusion passes pay, so they keep
+    its defaults. The option travels with the call (``FunctionCallOptions``, read when a
+    function is first instantiated; every call of a program passes the same one so TF never
+    instantiates it twice); plain TF code in the process keeps its own options."""
     if mesh is None or mesh.device_type.upper() != "CPU":
         return contextlib.nullcontext
     from tensorflow.python.eager import context
 
     config = context.context().config
     config.allow_soft_placement = True  # what TF's default call options set for functions
-    config.graph_options.rewrite_options.disable_meta_optimizer = True
+    rewrite = config.graph_options.rewrite_options
+    rewrite.disable_meta_optimizer = False
+    del rewrite.optimizers[:]
+    rewrite.optimizers.append("arithmetic")
     options = context.FunctionCallOptions(config_proto=config)
 
     @contextlib.contextmanager
