@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import pathlib
-import re
 import subprocess
 import sys
 
@@ -111,34 +109,6 @@ def test_launcher_port_check_ignores_time_wait(tmp_path):
             _check(parser.parse_args(["--master-port", str(port), str(script)]), parser)
     finally:
         busy.close()
-
-
-README = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
-README_EXAMPLES = re.findall(r"```python\n(.*?)```", README, re.S)
-
-
-@pytest.mark.parametrize("index", range(len(README_EXAMPLES)))
-def test_readme_example_runs_and_prints_what_it_says(index, tmp_path):
-    """Every README example runs as written (one starting with a `tfdist run` comment through the
-    launcher, as it says), and every "# <expected output>" comment on a print line holds."""
-    code = README_EXAMPLES[index]
-    script = tmp_path / "example.py"
-    script.write_text(code)
-    launch = re.match(r"# \S+ -- run: tfdist run (.*?) \S+\.py", code)
-    command = [sys.executable, "-m", "tfdist.run", *launch.group(1).split(), str(script)] if launch else \
-        [sys.executable, str(script)]
-    out = subprocess.run(command, capture_output=True, text=True, env=ENV, timeout=600, cwd=tmp_path)
-    assert out.returncode == 0, out.stderr[-2000:]
-    for line in code.splitlines():
-        if line.startswith("print(") and "# " in line:
-            assert line.split("# ", 1)[1].split(" = ")[0].strip() in out.stdout, (line, out.stdout)
-
-
-def test_readme_quotes_the_committed_benchmark_table():
-    """The README's performance section is benchmarks/results' run_all table, word for word."""
-    name = re.search(r"the table below is `benchmarks/results/(\S+)`", README).group(1)
-    table = (pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "results" / name).read_text()
-    assert table.strip() in README
 
 
 def test_the_command_is_quiet_by_default_and_verbose_on_request(tmp_path):
