@@ -47,8 +47,8 @@ def host() -> dict:
 
 
 def write_results(name: str, rows: list[dict], meta: dict) -> pathlib.Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
+    path = RESULTS / f"{name}.json"  # name may hold a folder: "changes/before_after_<base>"
+    path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"benchmark": name, "machine": host(), **meta, "rows": rows}
     path.write_text(json.dumps(payload, indent=1))
     return path

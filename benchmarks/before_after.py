@@ -12,7 +12,7 @@ the same for the first step, trace and compile included).  ``--hub family:worklo
 keras_hub_vs_jax.py's tfdist worker instead (keras-hub models under a layout map, tiny size; the
 first figure is its first epoch), and the two trees' weight updates must agree too.  Machine state
 moves absolute times between runs (the same commit measured days apart differs by 2-3x here), so
-only the interleaved ratio speaks.  Writes ``results/before_after_<base>.json`` and prints a table.
+only the interleaved ratio speaks.  Writes ``results/changes/before_after_<base>.json`` and prints a table.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def main() -> None:
             "same_losses": all(_same_losses(b, h) for b, h in zip(sides["base"], sides["head"])),
             "same_updates": all(_same_updates(b, h) for b, h in zip(sides["base"], sides["head"])),
         })
-    path = write_results(f"before_after_{base}", rows, {
+    path = write_results(f"changes/before_after_{base}", rows, {
         "command": "python benchmarks/before_after.py " + " ".join(sys.argv[1:]),
         "base": base, "head": head, "rounds": args.rounds})
     print_table(rows, ["program", "workload", "base_ms", "head_ms", "ratio", "ratio_range", "base_first_s",

@@ -267,7 +267,7 @@ def _fmt(d: dict, digits: int = 0) -> str:
 
 def markdown(cases: list[dict]) -> str:
     lines = ["| family | workload | size | mesh | tfdist ms | JAX ms | JAX 1-thread ms | tfdist / JAX step "
-             "| tfdist / JAX first epoch | checks |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| tfdist / JAX first epoch | checks | measured at |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cases:
         s, p = c["summary"], c["summary"]["programs"]
         cells = [_fmt(p[k]["step_ms"]) + (f" outliers {p[k]['outlier_rounds']}" if p[k]["outlier_rounds"] else "")
@@ -279,8 +279,33 @@ def markdown(cases: list[dict]) -> str:
         lines.append(f"| {c['family']} | {c['workload']} | {c['size']} | {c['mesh'][0]}x{c['mesh'][1]} | "
                      + " | ".join(cells) + " | "
                      + (" | ".join(_fmt(ratios[k], 2) for k in ("step_ms", "first_epoch_s")) if ratios else "- | -")
-                     + f" | {checks} |")
+                     + f" | {checks} | {c.get('commit', '')} {c.get('date', '')} |")
     return "\n".join(lines)
+
+
+def _key(case: dict) -> tuple:
+    return case["family"], case["workload"], case["size"], tuple(case["mesh"]), case.get("devices", "cpu")
+
+
+def merged_cases(path: str, new: list[dict]) -> list[dict]:
+    """``new`` and the cases of the results at ``path`` it does not measure again (``--update``);
+    a kept case without its own commit takes the file's (results written before cases kept theirs)."""
+    kept = []
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+        measured = {_key(c) for c in new}
+        for case in old.get("cases", []):
+            if _key(case) not in measured:
+                kept.append({"commit": old.get("commit", "unknown"), "command": old.get("command", ""),
+                             "date": old.get("date", "unknown"), **case})
+    return kept + new
+
+
+def _commit() -> str:
+    done = subprocess.run(["git", "describe", "--always", "--dirty=+uncommitted"], capture_output=True, text=True,
+                          cwd=HERE)
+    return done.stdout.strip() or "unknown"
 
 
 def main() -> None:
@@ -296,6 +321,9 @@ def main() -> None:
     parser.add_argument("--devices", default="cpu", choices=["cpu", "gpu"],
                         help="cpu: 8 virtual CPUs of this host; gpu: the host's GPUs (as many as the mesh's size)")
     parser.add_argument("--out", default="keras_hub_vs_jax", help="results/<out>.json")
+    parser.add_argument("--update", action="store_true",
+                        help="keep the cases of results/<out>.json this run does not measure (each case records "
+                             "its own commit, date and command)")
     parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -304,6 +332,7 @@ def main() -> None:
     sys.path.insert(0, HERE)
     from _common import write_results
 
+    command = " ".join(["python", "benchmarks/keras_hub_vs_jax.py", *sys.argv[1:]])
     families = FAMILIES if args.family == "all" else tuple(args.family.split(","))
     workloads = WORKLOADS if args.workload == "all" else tuple(args.workload.split(","))
     # one XLA thread per device is a CPU setting; on GPUs JAX runs as it comes
@@ -317,9 +346,13 @@ def main() -> None:
                             mesh=[int(n) for n in mesh.split("x")], steps=args.steps, epochs=args.epochs)
                 print(f"{family} {workload} {args.size} {mesh}", flush=True)
                 rounds = run_case(case, programs, args.rounds)
-                cases.append({**case, "rounds": rounds, "summary": summarize(rounds)})
+                cases.append({**case, "rounds": rounds, "summary": summarize(rounds), "commit": _commit(),
+                              "date": time.strftime("%Y-%m-%d"), "command": command})
+    if args.update:
+        cases = merged_cases(os.path.join(os.environ.get("TFDIST_BENCH_RESULTS", os.path.join(HERE, "results")),
+                                          f"{args.out}.json"), cases)
     table = markdown(cases)
-    meta = {"command": " ".join(["python", "benchmarks/keras_hub_vs_jax.py", *sys.argv[1:]]),
+    meta = {"command": command if not args.update else "; ".join(sorted({c["command"] for c in cases})),
             "sizes": SIZES, "programs": programs, "loss_rtol": LOSS_RTOL, "update_rtol": UPDATE_RTOL,
             "jax_one_thread_flags": JAX_ONE_THREAD, "cases": cases}
     path = write_results(args.out, [], meta)

@@ -23,7 +23,7 @@ import json
 import os
 import pathlib
 import platform
-import statistics
+import re
 import subprocess
 import sys
 import time
@@ -116,7 +116,16 @@ def _local_sgd(d: dict) -> Headline:
 
 
 def _ratios_dict(prefix: str) -> Callable[[dict], Headline]:
-    return lambda d: [(f"{prefix}{k}", v, "") for k, v in d["ratios"].items() if isinstance(v, (int, float))]
+    """Every numeric ratio; a key that names its target, ``"x (target <= 1.2)"``, gets it as the target."""
+    def rows(d: dict) -> Headline:
+        out = []
+        for key, value in d["ratios"].items():
+            if isinstance(value, (int, float)):
+                named = re.fullmatch(r"(.*?)\s*\(target ([^)]*)\)", key)
+                out.append((prefix + (named.group(1) if named else key), value, named.group(2) if named else ""))
+        return out
+
+    return rows
 
 
 def _distributions(d: dict) -> Headline:
@@ -257,27 +266,48 @@ def _with_headline(bench: Benchmark, results: pathlib.Path, entry: dict) -> dict
     return entry
 
 
-def report_one(bench: Benchmark, results: pathlib.Path, previous: dict) -> dict:
+def report_one(bench: Benchmark, results: pathlib.Path) -> dict:
     """The headline of a benchmark from the results it already wrote (``--report-only``)."""
-    entry = {"benchmark": bench.name, "command": previous.get("command", ""), "seconds": previous.get("seconds", 0.0),
-             "result": str(results / bench.result)}
-    if "error" in previous and "could not read" not in previous["error"]:
-        return {**entry, "error": previous["error"]}
+    entry = {"benchmark": bench.name, "command": "", "seconds": 0.0,
+             "result": os.path.relpath(results / bench.result, HERE.parent)}
     return _with_headline(bench, results, entry)
+
+
+def meets(value: float | str, target: str) -> str:
+    """"yes" or "no" for a numeric value against a target such as ``<= 1.05``; "" where either is
+    not a number or there is no target."""
+    match = re.fullmatch(r"\s*(<=|<|>=|>|=)?\s*(-?[\d.]+)\s*", target or "")
+    if not match or not isinstance(value, (int, float)):
+        return ""
+    op, bound = match.group(1) or "=", float(match.group(2))
+    ok = {"<=": value <= bound, "<": value < bound, ">=": value >= bound, ">": value > bound, "=": value == bound}[op]
+    return "yes" if ok else "**no**"
 
 
 def markdown(report: dict) -> str:
     meta = report["meta"]
-    lines = [f"Headline ratios, `{meta['command']}` at commit `{meta['commit']}` on {meta['machine']['cpus']} CPUs "
-             f"({meta['machine']['platform']}, TF {meta['machine']['tensorflow']}); lower is better unless a "
-             "target says otherwise.", "",
-             "| benchmark | what | value | target |", "| --- | --- | --- | --- |"]
+    if meta.get("report_only"):
+        source = ("Headline ratios of each benchmark's committed results (`python benchmarks/run_all.py "
+                  "--report-only`; each JSON records its host and command)")
+    else:
+        source = (f"Headline ratios, `{meta['command']}` at commit `{meta['commit']}` on {meta['machine']['cpus']} "
+                  f"CPUs ({meta['machine']['platform']}, TF {meta['machine']['tensorflow']})")
+    lines = [source + "; lower is better unless a target says otherwise.", "",
+             "| benchmark | what | value | target | met |", "| --- | --- | --- | --- | --- |"]
     for entry in report["benchmarks"]:
         if "error" in entry:
-            lines.append(f"| {entry['benchmark']} | failed: {entry['error'][:160]} | | |")
+            lines.append(f"| {entry['benchmark']} | failed: {entry['error'][:160]} | | | |")
         for row in entry.get("headline", []):
-            lines.append(f"| {entry['benchmark']} | {row['what']} | {row['value']} | {row['target']} |")
+            lines.append(f"| {entry['benchmark']} | {row['what']} | {row['value']} | {row['target']} | "
+                         f"{meets(row['value'], row['target'])} |")
     return "\n".join(lines) + "\n"
+
+
+def report_only(results: pathlib.Path, chosen: list[Benchmark]) -> dict:
+    """The report of the results already written, run by nobody now: deterministic, so docs can
+    quote it and a test can check they still do."""
+    return {"meta": {"command": "python benchmarks/run_all.py --report-only", "report_only": True},
+            "benchmarks": [report_one(bench, results) for bench in chosen]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -295,19 +325,17 @@ def main(argv: list[str] | None = None) -> int:
     chosen = [b for b in BENCHMARKS if (b.name in only if only else b.in_quick or not args.quick)]
     results = HERE / "results" / ("quick" if args.quick else "")
     results.mkdir(parents=True, exist_ok=True)
-    report = {"meta": {"command": "python benchmarks/run_all.py" + (" --quick" if args.quick else "")
-                       + (f" --only {args.only}" if only else ""), "commit": _commit(), "machine": _machine(),
-                       "date": time.strftime("%Y-%m-%d")}, "benchmarks": []}
-    previous = {}
-    if args.report_only and (results / "run_all.json").exists():
-        previous = {e["benchmark"]: e for e in json.loads((results / "run_all.json").read_text())["benchmarks"]}
-        report["meta"] = json.loads((results / "run_all.json").read_text())["meta"]
-    for bench in chosen:
-        print(f"-- {bench.name} ...", flush=True)
-        entry = report_one(bench, results, previous.get(bench.name, {})) if args.report_only else \
-            run_one(bench, args.quick, results, args.timeout)
-        report["benchmarks"].append(entry)
-        print(f"   {entry['seconds']} s" + (f", FAILED: {entry['error']}" if "error" in entry else ""), flush=True)
+    if args.report_only:
+        report = report_only(results, chosen)
+    else:
+        report = {"meta": {"command": "python benchmarks/run_all.py" + (" --quick" if args.quick else "")
+                           + (f" --only {args.only}" if only else ""), "commit": _commit(), "machine": _machine(),
+                           "date": time.strftime("%Y-%m-%d")}, "benchmarks": []}
+        for bench in chosen:
+            print(f"-- {bench.name} ...", flush=True)
+            entry = run_one(bench, args.quick, results, args.timeout)
+            report["benchmarks"].append(entry)
+            print(f"   {entry['seconds']} s" + (f", FAILED: {entry['error']}" if "error" in entry else ""), flush=True)
     (results / "run_all.json").write_text(json.dumps(report, indent=1))
     table = markdown(report)
     (results / "run_all.md").write_text(table)

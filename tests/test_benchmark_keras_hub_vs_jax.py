@@ -67,3 +67,20 @@ def test_the_update_check_compares_updates_not_weights(tmp_path):
     np.savez(tmp_path / "scaled.npz", *[r / 8 for r in ref])  # a gradient 1/8 of the right one
     assert bench.update_rel_diff(tmp_path / "same.npz", tmp_path / "ref.npz") == pytest.approx(1e-4, rel=1e-2)
     assert bench.update_rel_diff(tmp_path / "scaled.npz", tmp_path / "ref.npz") == pytest.approx(7 / 8)
+
+
+def test_update_keeps_the_cases_not_measured_again_with_their_own_commit(tmp_path):
+    import json
+
+    def case(family, mesh, commit=None):
+        out = {"family": family, "workload": "lm", "size": "tiny", "mesh": mesh, "summary": {}}
+        return {**out, "commit": commit} if commit else out
+
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"commit": "aaa", "command": "old run", "date": "2026-12-01",
+                                "cases": [case("gemma", [2, 4]), case("llama", [2, 4]), case("gemma", [4, 2], "bbb")]}))
+    merged = bench.merged_cases(str(path), [case("gemma", [2, 4], "new")])
+    assert [(c["family"], c["mesh"], c["commit"]) for c in merged] == [
+        ("llama", [2, 4], "aaa"), ("gemma", [4, 2], "bbb"), ("gemma", [2, 4], "new")]
+    assert merged[0]["command"] == "old run" and merged[0]["date"] == "2026-12-01"
+    assert bench.merged_cases(str(tmp_path / "none.json"), [case("gemma", [2, 4], "new")])[0]["commit"] == "new"

@@ -41,3 +41,37 @@ def test_markdown_names_the_command_commit_and_failures():
     table = run_all.markdown(report)
     assert "`python benchmarks/run_all.py --quick` at commit `abc1234`" in table
     assert "| pipeline | compute | 1.0 | <= 1.05 |" in table and "| fsdp | failed: RuntimeError: boom | | |" in table
+
+
+def test_meets_reads_the_target():
+    assert run_all.meets(1.0, "<= 1.0") == "yes" and run_all.meets(1.01, "<= 1.0") == "**no**"
+    assert run_all.meets(0.101, "< 0.10") == "**no**" and run_all.meets(0.0, "0") == "yes"
+    assert run_all.meets("23 of 34", "") == "" and run_all.meets(1.2, "") == ""
+
+
+def test_performance_docs_quote_the_committed_results_table():
+    """docs/performance.md's headline table is `run_all.py --report-only` over the committed results,
+    word for word: a result committed without regenerating the table fails here."""
+    table = run_all.markdown(run_all.report_only(BENCH / "results", run_all.BENCHMARKS))
+    assert "failed:" not in table
+    assert table.strip() in (BENCH.parent / "docs" / "performance.md").read_text()
+
+
+def test_every_committed_result_is_in_the_index():
+    """benchmarks/results/README.md names every committed file at its top level (current results),
+    and every file it names exists; one-off runs live in changes/ or archive/."""
+    import re
+    import shutil
+    import subprocess
+
+    if shutil.which("git") is None or not (BENCH.parent / ".git").exists():
+        pytest.skip("needs the git checkout (the committed files)")
+    listed = subprocess.run(["git", "ls-files", "benchmarks/results"], cwd=BENCH.parent, capture_output=True,
+                            text=True, check=True).stdout.split()
+    top = {p.split("/", 2)[2] for p in listed if p.count("/") == 2 and not p.rsplit("/", 1)[1].startswith(".")}
+    top -= {"README.md"}
+    index = (BENCH / "results" / "README.md").read_text()
+    named = {n for row in index.splitlines() if row.startswith("| `")
+             for n in re.findall(r"`([\w.]+)`", row.split("|")[1])}
+    assert top - named == set(), "results not in benchmarks/results/README.md"
+    assert named - top == set(), "the index names files that are not committed"
