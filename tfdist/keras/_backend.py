@@ -15,12 +15,12 @@ from typing import Any
 
 import numpy as np
 import tensorflow as tf
-from keras.src.distribution import distribution_lib
 from tensorflow.experimental import dtensor
 from tensorflow.python.framework import ops
 
 from tfdist import _patches, _runtime
 from tfdist.device_mesh import DeviceMesh
+from tfdist.keras._keras_internals import distribution_lib
 from tfdist.tensor._cross_mesh import replicated_on
 
 __all__ = ["tfdist_mesh", "to_tf_layout", "distribute_tensor", "install"]

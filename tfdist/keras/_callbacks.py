@@ -20,11 +20,11 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from keras.src import tree
-from keras.src.callbacks.callback_list import CallbackList
-from keras.src.utils.python_utils import is_default
+from keras import tree
+from keras.callbacks import CallbackList
 
 from tfdist import _patches
+from tfdist.keras._keras_internals import is_default
 from tfdist.keras._trainer import is_distributed
 
 __all__ = ["may_lag", "StepBehindCallbackList", "install"]

@@ -21,13 +21,13 @@ from concurrent.futures import Future
 from typing import Any
 
 import keras
-from keras.src.backend.common import global_state
 
 import tfdist.checkpoint as dcp
 from tfdist import _runtime
 from tfdist.checkpoint.state_dict import (
     get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
 )
+from tfdist.keras._keras_internals import global_state
 from tfdist.tensor._modules import module_backend
 
 _NAME = re.compile(r"^step-(\d{9})$")

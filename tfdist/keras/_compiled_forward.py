@@ -37,12 +37,12 @@ import warnings
 import weakref
 from typing import Any, Callable
 
-import keras
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfdist.device_mesh import DeviceMesh
 from tfdist.keras import _offload_step, _variables
+from tfdist.keras._keras_internals import global_state
 from tfdist.tensor._api import DTensor
 from tfdist.tensor._layout import DTensorSpec
 from tfdist.tensor._xla_local import NotCompilable, xla_platform
@@ -137,8 +137,6 @@ def call(layer: Any, original: Callable, args: tuple, kwargs: dict) -> Any:
 @contextlib.contextmanager
 def _without_distribution():
     """Inside a device's program: Keras' plain TF layers (no layouts to apply, local tensors)."""
-    from keras.src.backend.common import global_state
-
     saved = global_state.get_global_attribute("distribution")
     global_state.set_global_attribute("distribution", None)
     try:

@@ -10,9 +10,9 @@ from __future__ import annotations
 import keras
 
 # Keras exports no base class for distributions; this is the one its own subclass.
-from keras.src.distribution.distribution_lib import Distribution
 
 from tfdist.device_mesh import DeviceMesh
+from tfdist.keras._keras_internals import Distribution
 
 __all__ = ["MeshDistribution"]
 

@@ -29,10 +29,9 @@ import weakref
 from typing import Any, Callable
 
 import tensorflow as tf
-from keras.src.backend.common.keras_tensor import any_symbolic_tensors
-from keras.src.backend.common.stateless_scope import in_stateless_scope
 
 from tfdist.keras import _variables
+from tfdist.keras._keras_internals import any_symbolic_tensors, in_stateless_scope
 from tfdist.tensor import _legalize
 from tfdist.tensor._traced_call import TracedCall
 

@@ -25,6 +25,7 @@ import contextlib
 import tensorflow as tf
 
 from tfdist import _patches
+from tfdist.keras._keras_internals import loss_module
 
 __all__ = ["mean_loss_reduction"]
 
@@ -38,9 +39,7 @@ def _as_one_mean(original, values, sample_weight=None, reduction="sum_over_batch
     by_size = reduction in _MEANS or (reduction == "mean_with_sample_weight" and sample_weight is None)
     if not by_size or dims is None or None in dims or dims == () or 0 in dims:
         return original(values, sample_weight, reduction)
-    from keras.src.losses import loss as keras_loss  # the module whose reduce_values this replaces
-
-    return keras_loss.scale_loss_for_distribution(tf.reduce_mean(values))
+    return loss_module.scale_loss_for_distribution(tf.reduce_mean(values))
 
 
 def mean_loss_reduction() -> contextlib.AbstractContextManager:

@@ -15,7 +15,6 @@ import weakref
 from typing import Any, Callable, Iterator
 
 import keras
-from keras.src.models.functional import Functional
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
@@ -24,6 +23,7 @@ from tfdist.device_mesh import DeviceMesh
 from tfdist.keras import _offload_step, _variables
 from tfdist.keras._backend import tfdist_mesh
 from tfdist.keras._distribution import MeshDistribution
+from tfdist.keras._keras_internals import Functional
 from tfdist.tensor._modules import LayerKind, Pending, register_module_backend, with_hooks
 from tfdist.tensor.parallel.style import replicated_batch
 

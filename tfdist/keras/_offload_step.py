@@ -25,10 +25,7 @@ import contextlib
 from typing import Any, Callable
 
 import tensorflow as tf
-from keras.src import tree
-from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-from keras.src.losses import loss as loss_module
-from keras.src.trainers.data_adapters import data_adapter_utils
+from keras import tree
 from tensorflow.experimental import dtensor
 from tensorflow.python.eager import record
 from tensorflow.python.ops import resource_variable_ops
@@ -36,6 +33,7 @@ from tensorflow.python.ops import resource_variable_ops
 from tfdist.fsdp import _offload
 from tfdist.keras import _data, _variables
 from tfdist.keras._backend import traced_like_keras
+from tfdist.keras._keras_internals import TensorFlowTrainer, data_adapter_utils, loss_module
 
 __all__ = ["offloaded_variables", "offloaded_steps", "device_copies_for_call"]
 

@@ -16,11 +16,11 @@ from __future__ import annotations
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src.optimizers import base_optimizer
 from tensorflow.experimental import dtensor
 
 from tfdist import _patches, _registry
 from tfdist.keras import _variables
+from tfdist.keras._keras_internals import base_optimizer
 from tfdist.optim.zero_redundancy_optimizer import sharded_slot_layout
 
 __all__ = ["install"]

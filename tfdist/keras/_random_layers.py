@@ -30,6 +30,7 @@ import keras
 
 from tfdist import _patches
 from tfdist.keras._backend import tfdist_mesh
+from tfdist.keras._keras_internals import tf_random
 from tfdist.tensor import _random
 
 __all__ = ["install"]
@@ -52,8 +53,6 @@ def _active_mesh():
 
 def _seed(seed):
     """Keras' seed for one draw (recorded or replayed inside an HSDP replica group's program)."""
-    from keras.src.backend.tensorflow import random as tf_random
-
     return _random.group_seed(lambda: tf_random.draw_seed(seed))
 
 
@@ -82,8 +81,6 @@ def _install_noise_layers() -> None:
 
 
 def install() -> None:
-    from keras.src.backend.tensorflow import random as tf_random
-
     def dropout(inputs, rate, noise_shape=None, seed=None):
         if rate == 1.0 or rate == 0.0 or keras.distribution.distribution() is None:
             return original(inputs, rate, noise_shape, seed)  # a plain model: Keras' own stream

@@ -12,9 +12,8 @@ and on loading alike.
 
 from __future__ import annotations
 
-from keras.src.utils import naming
-
 from tfdist import _patches, _registry
+from tfdist.keras._keras_internals import naming
 
 __all__ = ["install"]
 

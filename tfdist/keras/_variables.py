@@ -29,6 +29,7 @@ from tfdist import _patches, _registry
 from tfdist.fsdp import FSDPStyle, _offload
 from tfdist.keras._backend import _as_tf_layout, distribute_tensor, new_dvariable, tfdist_mesh
 from tfdist.keras._data import gather_to_numpy
+from tfdist.keras._keras_internals import KerasVariable
 from tfdist.tensor._modules import module_backend
 from tfdist.tensor._redistribute import relayout, relayout_traced
 
@@ -362,7 +363,6 @@ def _host_cpu() -> str:
 
 
 def install() -> None:
-    from keras.src.backend.common import KerasVariable
     core_ = "keras.src.backend.tensorflow.core:Variable."
     if _patches.installed(core_ + "_initialize"):
         return
