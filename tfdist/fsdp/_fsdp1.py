@@ -19,9 +19,10 @@ import tensorflow as tf
 
 from tfdist import _registry, _runtime
 from tfdist.device_mesh import DeviceMesh, default_data_parallel_mesh
-from tfdist.fsdp._fully_shard import (
-    _REPLICATE, FSDPModule, _group_states, _retrace_keras_steps, fsdp_class, fully_shard, refuse_unsynced_hsdp,
+from tfdist.fsdp._fsdp_module import (
+    FSDPModule, fsdp_class, group_states, refuse_unsynced_hsdp, retrace_keras_steps,
 )
+from tfdist.fsdp._fully_shard import _REPLICATE, fully_shard
 from tfdist.fsdp._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from tfdist.fsdp import _optim_state, _state_dict
 from tfdist.fsdp._state_dict import StateDictSettings, StateDictType
@@ -121,12 +122,12 @@ class _FSDP1Methods:
                              "registers one hook for the whole tree).")
         if not callable(hook):
             raise ValueError(f"register_comm_hook(hook) must be callable. Received: hook={hook!r}")
-        states = [s for unit in _fsdp1_units(self) for s in _group_states(unit, recurse=False)]
+        states = [s for unit in _fsdp1_units(self) for s in group_states(unit, recurse=False)]
         if any(s.grad_sync.comm_hook is not None for s in states):
             raise RuntimeError("register_comm_hook: a communication hook is already registered (torch allows one).")
         for s in states:
             s.grad_sync.comm_hook = (state, hook)
-        _retrace_keras_steps(self)
+        retrace_keras_steps(self)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, grads: list) -> tf.Tensor:
         """Clips ``grads`` (the list ``tape.gradient`` returned, replaced in place) to a total
@@ -210,18 +211,18 @@ class _FSDP1Methods:
                 grads_fn(x0, y0)          # held, nothing reduced
             grads = grads_fn_synced(x1, y1)   # the sum over both micro-batches
         """
-        states = [s for unit in _fsdp1_units(self) for s in _group_states(unit, recurse=False)]
+        states = [s for unit in _fsdp1_units(self) for s in group_states(unit, recurse=False)]
         refuse_unsynced_hsdp(states, "no_sync()")
         before = [s.grad_sync.enabled for s in states]
         for s in states:
             s.grad_sync.enabled = False
-        _retrace_keras_steps(self)
+        retrace_keras_steps(self)
         try:
             yield
         finally:
             for s, enabled in zip(states, before):
                 s.grad_sync.enabled = enabled
-            _retrace_keras_steps(self)
+            retrace_keras_steps(self)
 
 
 _HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)

@@ -19,7 +19,6 @@ backend's ``read_as``; TF then sums its gradient inside the consuming op
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable, Iterable
 
 import tensorflow as tf
@@ -27,320 +26,18 @@ from tensorflow.experimental import dtensor
 
 from tfdist import _registry
 from tfdist.device_mesh import DeviceMesh, default_data_parallel_mesh
-from tfdist.fsdp._collectives import (
-    ShardedParam, gathered_with_sliced_grad, per_shard_call, sharded_einsum, sharded_lookup,
-)
-from tfdist.fsdp._gather_order import GatherOrder
-from tfdist.fsdp._grad_sync import GradientSync
-from tfdist.fsdp._offload import is_offloaded
+from tfdist.fsdp._collectives import ShardedParam
+from tfdist.fsdp._fsdp_module import FSDPModule, FSDPState, UnshardHandle, fsdp_class
+from tfdist.fsdp._layer_calls import gathered_call, hook_layers, layer_call
 from tfdist.fsdp._mesh_dims import DataParallelMeshDims, ShardPlacementResult, fsdp_meshes, placement_on
-from tfdist.fsdp._replica_groups import in_replica_group, replica_groups_call
+from tfdist.fsdp._offload import is_offloaded
 from tfdist.fsdp._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from tfdist.fsdp._replica_groups import in_replica_group, replica_groups_call
 from tfdist.tensor._modules import ModuleBackend, module_backend, replicate_unplaced
-from tfdist.tensor.parallel.style import as_tf, batch_replicated, on_mesh
+from tfdist.tensor.parallel.style import as_tf, batch_replicated
 from tfdist.tensor.placement_types import Shard
 
 __all__ = ["fully_shard", "FSDPModule", "FSDPStyle", "UnshardHandle", "register_fsdp_forward_method"]
-
-
-class UnshardHandle:
-    """What ``FSDPModule.unshard(async_op=True)`` returns; ``wait()`` returns at once."""
-
-    def wait(self) -> None:
-        """Nothing to wait for: see ``FSDPModule.unshard``."""
-
-
-class FSDPModule:
-    """Mixin that ``fully_shard`` adds to a layer's class (``FSDPDense``, ``FSDPSequential``...).
-
-    Example::
-
-        fully_shard(model)
-        isinstance(model, FSDPModule)   # True
-        model.set_reshard_after_backward(False)
-    """
-
-    @property
-    def _fsdp_state(self) -> "_FSDPState":
-        """This module's group (kept in ``tfdist._registry``, not on the module)."""
-        return _registry.module(self).fsdp
-
-    def reshard(self) -> None:
-        """Full parameters exist only inside the step that uses them (TF frees a tensor after its
-        last use), so there is nothing to free between steps: a no-op."""
-
-    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
-        """Inside a traced step: this module's forward all-gathers wait for nothing, so TF may
-        run them from the step's start (torch issues them now).  Eagerly a no-op: TF runs each
-        gather when its layer is called, and a sharded variable reads as its full value
-        anywhere.  With ``async_op`` returns a handle whose ``wait()`` returns at once.
-
-        Example::
-
-            @tf.function
-            def step(x):
-                model.blocks[1].unshard()   # block 1's gathers overlap block 0's compute
-                return model(x)
-        """
-        self._fsdp_state.order.unshard_now()
-        return UnshardHandle() if async_op else None
-
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        """With False, the backward holds each gradient unreduced (the stacked per-device partial
-        FSDP would reduce-scatter: no communication) and gives the parameter a zero gradient; the
-        next backward with True adds the held sum and reduce-scatters once -- torch's gradient
-        accumulation without a reduction per micro-batch.  ``recurse`` sets every FSDP module
-        inside too.  A layer FSDP cannot see inside (the gathered route) still has its gradient
-        all-reduced by TF's op; it is held as its local slice.
-
-        The setting is read when the backward is built: inside a ``tf.function`` step, set it
-        from a Python argument so each setting gets its own trace.
-
-        Example::
-
-            @tf.function
-            def accumulate(x, y, sync):
-                model.set_requires_gradient_sync(sync)
-                with tf.GradientTape() as tape:
-                    loss = loss_fn(y, model(x))
-                return tape.gradient(loss, model.trainable_variables)
-
-            for i, (x, y) in enumerate(micro_batches):
-                grads = accumulate(x, y, sync=i == len(micro_batches) - 1)
-            optimizer.apply(grads)   # the sum over the micro-batches
-        """
-        if not isinstance(requires_gradient_sync, (bool, int)):
-            raise ValueError("set_requires_gradient_sync(requires_gradient_sync) must be a bool. "
-                             f"Received: {requires_gradient_sync!r}")
-        states = _group_states(self, recurse)
-        if not requires_gradient_sync:
-            refuse_unsynced_hsdp(states, "set_requires_gradient_sync(False)")
-        for state in states:
-            state.grad_sync.enabled = bool(requires_gradient_sync)
-        _retrace_keras_steps(self)
-
-    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
-        """A no-op: full parameters never outlive the traced step in TF."""
-
-    def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """A no-op: TF's executor finishes every pending reduction before the step returns."""
-
-    def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
-        """At the start of this module's forward, the listed modules' all-gathers may start: they
-        wait for this module's input instead of their own layer's (TF's executor then runs them
-        while this module computes), in the order listed.
-
-        Example::
-
-            for i, block in enumerate(model.blocks[:-1]):
-                block.set_modules_to_forward_prefetch([model.blocks[i + 1]])
-        """
-        self._fsdp_state.order.forward_targets = _orders_of(modules, "set_modules_to_forward_prefetch")
-
-    def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
-        """At the start of this module's backward, the listed modules' backward all-gathers may
-        start: they wait for this module's output gradient instead of their own layer's.
-
-        Example::
-
-            for i, block in enumerate(model.blocks[1:], 1):
-                block.set_modules_to_backward_prefetch([model.blocks[i - 1]])
-        """
-        self._fsdp_state.order.backward_targets = _orders_of(modules, "set_modules_to_backward_prefetch")
-
-    def set_gradient_divide_factor(self, factor: float) -> None:
-        """The reduced gradient is the sum of the devices' gradients divided by ``factor``
-        (torch's default divides by the data-parallel size ``N``, a mean).
-
-        Keras losses already average over the global batch, so tfdist's gradient is torch's
-        default; a factor ``f`` multiplies it by ``N / f`` (``f = 1``: the sum over devices).
-        Applied to every parameter of the group, whatever its layer, where the reduced
-        gradient shard meets the stored shard (before ``set_all_reduce_hook``'s hook, as torch).
-
-        Example::
-
-            model.set_gradient_divide_factor(1.0)  # sum the devices' gradients, do not average
-        """
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
-            raise ValueError(f"set_gradient_divide_factor(factor) must be a number > 0. Received: factor={factor!r}")
-        self._fsdp_state.divide_factor = float(factor)
-
-    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
-        """Deprecated in torch 2.13 for ``set_gradient_divide_factor``, which it calls."""
-        warnings.warn("set_reduce_scatter_divide_factor is deprecated: use set_gradient_divide_factor instead",
-                      FutureWarning, stacklevel=2)
-        self.set_gradient_divide_factor(factor)
-
-    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        """torch: reduce with sums only, scaling in separate ops.  tfdist's reductions are sums
-        already (the reduce-scatter is an all-to-all plus a local sum, the all-reduce TF's ``Add``)
-        and a divide factor is a separate multiply, so both values run the same ops."""
-        _check_bool("set_force_sum_reduction_for_comms", "enable", enable)
-        self._fsdp_state.force_sum_reduction = enable
-
-    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
-        """torch 2.13: how many reduce-scatter input buffers may be in flight (a memory/overlap
-        dial of its single copy-in buffer).  TF has no such buffer: each reduce-scatter's input
-        is its own op output, allocated when computed and freed after the collective, and the
-        executor overlaps collectives with compute as their inputs are ready; the value is
-        checked and kept (``reduce_scatter_max_input_buffers``) but changes nothing."""
-        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
-            raise TypeError(f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
-        if max_input_buffers < 1:
-            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
-        for state in _group_states(self, recurse):
-            state.reduce_scatter_max_input_buffers = max_input_buffers
-
-    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
-        """torch 2.13: the reduce-scatter on its own process group (NCCL communicator), so it can
-        overlap the backward's all-gathers.  On TF DTensor a collective's group is derived from
-        the mesh and its reduced dims (one group key per device group, docs/design.md) and each
-        collective op runs when its inputs are ready; a program has no communicator to choose.
-        The setting is checked and kept (``separate_reduce_scatter_group``), with no effect."""
-        _check_bool("set_separate_reduce_scatter_group", "enable", enable)
-        for state in _group_states(self, recurse):
-            state.separate_reduce_scatter_group = enable
-
-    def set_all_reduce_hook(self, hook: Callable[[tf.Tensor], tf.Tensor | None], *, stream: Any = None) -> None:
-        """Runs ``hook`` on each reduce-scattered gradient shard of this module's group, inside the
-        traced step, before the optimizer sees it (torch: after the reduce-scatter, for a custom
-        all-reduce or a gradient transform).  TF tensors are immutable, so the hook returns the
-        new gradient (``None`` keeps it) where torch's modifies it in place; it gets and must
-        return the shard's global shape and dtype.  ``stream`` (a CUDA stream in torch) has no TF
-        meaning: TF's executor places the hook's ops.
-
-        Example::
-
-            model.set_all_reduce_hook(lambda grad: tf.clip_by_value(grad, -1.0, 1.0))
-        """
-        if not callable(hook):
-            raise ValueError(f"set_all_reduce_hook(hook) must be callable. Received: hook={hook!r}")
-        self._fsdp_state.all_reduce_hook = hook
-
-    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """HSDP's all-reduce over the replicate dim runs in every backward; ``False`` (keep each
-        replica group's gradient) is refused under HSDP, as gradient-sync off is, and is a no-op on
-        a 1-D mesh (nothing to all-reduce)."""
-        if not requires_all_reduce:
-            refuse_unsynced_hsdp(_group_states(self, recurse), "set_requires_all_reduce(False)")
-
-    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
-        """With False, the backward reuses the forward's full parameters instead of gathering again
-        (``reshard_after_forward=False`` for this module)."""
-        self._fsdp_state.regather_in_backward = bool(unshard_in_backward) and self._fsdp_state.reshard
-
-    @property
-    def fsdp_params(self) -> list[Any]:
-        """The variables this module's group shards."""
-        return [v for v, _ in self._fsdp_state.params]
-
-
-class _FSDPState:
-    """One group: its variables, how each is sharded, the policies."""
-
-    def __init__(self, mesh: DeviceMesh, reshard: bool, mp: MixedPrecisionPolicy, offload: OffloadPolicy,
-                 replicate: DeviceMesh | None = None) -> None:
-        self.mesh = mesh
-        self.replicate = replicate  # HSDP's replicate dim (a 1-D slice), else None
-        self.reshard = reshard
-        self.regather_in_backward = reshard
-        self.mp = mp
-        self.offload = offload
-        self.params: list[tuple[Any, ShardedParam]] = []
-        self.divide_factor: float | None = None
-        self.force_sum_reduction = False
-        self.reduce_scatter_max_input_buffers = 1
-        self.separate_reduce_scatter_group = False
-        self.all_reduce_hook: Callable[[tf.Tensor], tf.Tensor | None] | None = None
-        self.grad_sync = GradientSync()
-        self.order = GatherOrder()
-
-    @property
-    def data_parallel_size(self) -> int:
-        """The devices a batch is split over (shard x replicate for HSDP): torch's default divisor."""
-        return self.mesh.size() * (self.replicate.size() if self.replicate is not None else 1)
-
-
-def _orders_of(modules: Any, method: str) -> list[GatherOrder]:
-    if not isinstance(modules, (list, tuple)) or not all(isinstance(m, FSDPModule) for m in modules):
-        raise ValueError(f"FSDPModule.{method}(modules) must be a list of FSDP modules (fully_shard applied). "
-                         f"Received: {modules!r}")
-    return [m._fsdp_state.order for m in modules]
-
-
-def _retrace_keras_steps(module: Any) -> None:
-    """A Keras model's cached train/test steps were traced with the old gradient-sync setting:
-    dropped, so the next ``fit`` traces them again."""
-    for name in ("train_function", "test_function", "predict_function"):
-        if getattr(module, name, None) is not None:
-            setattr(module, name, None)
-
-
-def refuse_unsynced_hsdp(states: list[_FSDPState], what: str) -> None:
-    """Gradients held back per replica group are not built (``GradientSync`` says why)."""
-    if any(state.replicate is not None for state in states):
-        raise NotImplementedError(
-            f"{what} under HSDP (a 2-D replicate x shard mesh): holding each replica group's unreduced "
-            "gradients is not built. Use Keras' optimizer(gradient_accumulation_steps=k), or FSDP on a 1-D mesh.")
-
-
-def _check_bool(method: str, name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{method}({name}) must be a bool. Received: {name}={value!r}")
-
-
-def _group_states(module: Any, recurse: bool) -> list[_FSDPState]:
-    """The FSDP state of ``module`` and, with ``recurse``, of every FSDP module inside it."""
-    if not recurse:
-        own = _registry.module_if_any(module)
-        return [own.fsdp] if own is not None and own.fsdp is not None else []
-    modules = module_backend(module, "FSDPModule")
-    found = (_registry.module_if_any(layer) for _, layer in modules.named_layers(module))
-    return [own.fsdp for own in found if own is not None and own.fsdp is not None]
-
-
-def _shard(modules: ModuleBackend, variable: Any, param: ShardedParam, state: _FSDPState) -> tf.Tensor:
-    """The variable's stored shard.  Its gradient is the reduce-scattered shard (every FSDP path's
-    custom gradient returns it for this value), so the group's all-reduce hook goes here, once
-    for every kind of layer."""
-    value = modules.stored_value(variable)
-    if state.all_reduce_hook is not None:
-        value = _hooked(value, state.all_reduce_hook, param.shard_layout)
-    if state.divide_factor is not None:  # outside the hook: the backward scales first, as torch
-        value = _scale_grad(value, state.data_parallel_size / state.divide_factor)
-    return value
-
-
-def _hooked(value: tf.Tensor, hook: Callable, layout: dtensor.Layout) -> tf.Tensor:
-    @tf.custom_gradient
-    def identity(v):
-        def grad(dv):
-            out = hook(dv)
-            if out is None:
-                return dv
-            out = tf.convert_to_tensor(out)
-            if out.shape != dv.shape or out.dtype != dv.dtype:
-                raise ValueError(
-                    f"set_all_reduce_hook: the hook must return the gradient shard's shape {dv.shape} and "
-                    f"dtype {dv.dtype.name} (or None). Received: shape {out.shape}, dtype {out.dtype.name}")
-            return dtensor.relayout(out, layout)
-
-        return tf.identity(v), grad
-
-    return identity(value)
-
-
-_CLASSES: dict[tuple[type, tuple[type, ...]], type] = {}
-
-
-def fsdp_class(cls: type, mixins: tuple[type, ...] = ()) -> type:
-    """``FSDP<Name>``: the layer's class and FSDPModule (as torch's fully_shard does), plus ``mixins``."""
-    if issubclass(cls, FSDPModule):  # adding mixins to a module already swapped
-        cls = next(c for c in cls.__mro__[1:] if not issubclass(c, FSDPModule))
-    key = (cls, mixins)
-    if key not in _CLASSES:
-        _CLASSES[key] = _registry.swapped_class(f"FSDP{cls.__name__}", (cls, FSDPModule) + mixins, cls)
-    return _CLASSES[key]
 
 
 def _check_args(module: Any, mesh: DeviceMesh, reshard_after_forward: Any, mp_policy: Any, offload_policy: Any,
@@ -495,7 +192,7 @@ def fully_shard(
         )
     ignored = {id(v) for v in (ignored_params or ())}
     group = _group_variables(modules, module, ignored)
-    state = _FSDPState(mesh, bool(reshard_after_forward), mp_policy, offload_policy, replicate)
+    state = FSDPState(mesh, bool(reshard_after_forward), mp_policy, offload_policy, replicate)
     root = mesh.root_mesh
     dp_dim = mesh.root_dims[0]
     dp, tf_mesh = root.axis_names[dp_dim], root.to_tf()
@@ -524,7 +221,7 @@ def fully_shard(
             modules.offload_variable(variable, param.shard_layout)
         state.params.append((variable, param))
     replicate_unplaced(modules, module, mesh)
-    _hook_layers(modules, plans, state)
+    hook_layers(modules, plans, state)
     if isinstance(offload_policy, CPUOffloadPolicy):
         _hook_offloaded_call(modules, module, path)
     if replicate is not None:
@@ -533,28 +230,6 @@ def fully_shard(
     _registry.module(module).fsdp = state
     module.__class__ = fsdp_class(type(module))
     return module
-
-
-def _hook_layers(modules: ModuleBackend, plans: list, state: _FSDPState) -> None:
-    by_layer: dict[int, tuple[Any, dict[str, tuple[Any, ShardedParam]]]] = {}
-    for layer, name, variable, param in plans:
-        by_layer.setdefault(id(layer), (layer, {}))[1][name] = (variable, param)
-    for layer, params in by_layer.values():
-        call, inner = _layer_call(modules, layer, params, state)
-        (modules.replace_inner_call if inner else modules.replace_call)(layer, call)
-
-
-def _layer_call(modules: ModuleBackend, layer: Any, params: dict, state: _FSDPState) -> tuple[Callable, bool]:
-    """The FSDP computation for ``layer`` and whether it replaces the innermost call."""
-    if _is_plain_lookup(modules, layer, params):
-        return _sharded_lookup_call(modules, layer, params, state), True
-    if _runs_per_shard(modules, layer, params):
-        return _per_shard_layer_call(modules, layer, params, state), True
-    letters = _bias_letters(modules, layer, params)
-    if letters is not None:
-        return _sharded_product_call(modules, layer, params, state, letters), True
-    # a tensor-parallel product that reads the weights itself is wrapped from outside
-    return _gathered_call(modules, params, state), not modules.call_replaced(layer)
 
 
 class FSDPStyle:
@@ -599,14 +274,14 @@ class FSDPStyle:
         if own.fsdp_style is not None:
             return
         own.fsdp_style = self
-        state = _FSDPState(mesh, self.reshard_after_forward, self.mp_policy, OffloadPolicy())
+        state = FSDPState(mesh, self.reshard_after_forward, self.mp_policy, OffloadPolicy())
         dp = mesh.root_mesh.axis_names[mesh.root_dims[0]]
         ready: list[Callable] = []
 
         def call(original, *args, **kwargs):
             if not ready:
                 params = _params_sharded_on(modules, layer, dp)
-                ready.append(_layer_call(modules, layer, params, state)[0] if params else None)
+                ready.append(layer_call(modules, layer, params, state)[0] if params else None)
             if ready[0] is None:
                 return original(*args, **kwargs)
             return ready[0](original, *args, **kwargs)
@@ -630,183 +305,6 @@ def _params_sharded_on(modules: ModuleBackend, layer: Any, dp: str) -> dict[str,
             full[d] = dtensor.UNSHARDED
         out[name] = (variable, ShardedParam(layout, dtensor.Layout(full, layout.mesh), d, dp))
     return out if any_sharded else {}
-
-
-def _bias_letters(modules: ModuleBackend, layer: Any, params: dict) -> str | None:
-    """The output letters a Dense/EinsumDense's bias covers, for a layer FSDP can compute as its
-    einsum (``LayerKind.equation_for``); None for any other layer."""
-    kind = modules.layer_kind(layer)
-    if modules.call_replaced(layer) or not kind.plain:
-        return None
-    if not set(params) <= {"kernel", "bias"} or "kernel" not in params:
-        return None
-    if kind.kind == "dense":
-        return "n"
-    if kind.kind == "einsum":
-        inp, ker, out = kind.einsum_parts()
-        if "." in kind.equation or inp[0] in ker or inp[0] not in out or out[0] != inp[0]:
-            return None
-        if any(c not in out and c not in ker for c in inp):
-            return None
-        letters = ""
-        if kind.bias_axes:
-            first = min(out.index(c) for c in kind.bias_axes)
-            letters = out[first:]
-        return letters
-    return None
-
-
-def _sharded_product_call(
-    modules: ModuleBackend, layer: Any, params: dict, state: _FSDPState, letters: str,
-) -> Callable:
-    """``letters``: the bias's output letters, decided once when the layer is hooked."""
-    kernel_var, kernel_param = params["kernel"]
-    bias = params.get("bias")
-    kind = modules.layer_kind(layer)
-
-    def call(original, inputs, *args, **kwargs):
-        x = as_tf(inputs)
-        if modules.is_symbolic(x) or not isinstance(x, tf.Tensor):
-            return original(inputs, *args, **kwargs)
-        equation = kind.equation_for(x.shape.rank)
-        compute = state.mp.param_dtype or tf.as_dtype(kind.compute_dtype)
-        bias_arg = None if bias is None else (_shard(modules, bias[0], bias[1], state), bias[1], letters)
-        y = sharded_einsum(
-            equation, x, _shard(modules, kernel_var, kernel_param, state), kernel_param,
-            batch_sharded=_batch_splits(x, kernel_param),
-            compute_dtype=compute, reduce_dtype=state.mp.reduce_dtype,
-            regather=_regather(modules, kernel_var) if state.regather_in_backward else None,
-            bias=bias_arg,
-        )
-        y = tf.cast(y, kind.compute_dtype)  # the layer's output dtype, whatever param_dtype computed
-        return kind.activation(y) if kind.activation is not None else y
-
-    return call
-
-
-def _regather(modules: ModuleBackend, variable: Any) -> Callable[[], tf.Tensor]:
-    """What the backward gathers again: the stored shard, read when the backward is built.  An
-    eager backward runs after the call has returned, so it takes the shard the forward read (an
-    offloaded parameter's device copy exists only during the call)."""
-    if tf.executing_eagerly():
-        shard = modules.stored_value(variable)
-        return lambda: shard
-    return lambda: modules.stored_value(variable)
-
-
-def _batch_splits(x: tf.Tensor, param: ShardedParam) -> bool:
-    """The batch (dim 0) is sharded over dp: not inside ``replicated_batch()`` and it divides evenly."""
-    if batch_replicated() or x.shape.rank < 1:
-        return False
-    n = x.shape[0]
-    return n is None or n % param.shard_layout.mesh.dim_size(param.dp) == 0
-
-
-def _is_plain_lookup(modules: ModuleBackend, layer: Any, params: dict) -> bool:
-    """An Embedding FSDP can look up itself (no LoRA, not quantized, a 2-D table)."""
-    kind = modules.layer_kind(layer)
-    if modules.call_replaced(layer) or not kind.plain:
-        return False
-    return kind.kind == "embedding" and set(params) == {"embeddings"} and len(
-        params["embeddings"][0].shape) == 2
-
-
-def _sharded_lookup_call(modules: ModuleBackend, layer: Any, params: dict, state: _FSDPState) -> Callable:
-    table_var, table_param = params["embeddings"]
-    kind = modules.layer_kind(layer)
-
-    def call(original, inputs, *args, **kwargs):
-        ids = as_tf(inputs)
-        if modules.is_symbolic(ids) or not isinstance(ids, tf.Tensor) or ids.shape.rank == 0:
-            return original(inputs, *args, **kwargs)
-        ids = on_mesh(ids, state.mesh.root_mesh.to_tf())
-        y = sharded_lookup(
-            ids, _shard(modules, table_var, table_param, state), table_param,
-            batch_sharded=_batch_splits(ids, table_param),
-            compute_dtype=state.mp.param_dtype, reduce_dtype=state.mp.reduce_dtype,
-        )
-        return tf.cast(y, kind.compute_dtype)
-
-    return call
-
-
-def _runs_per_shard(modules: ModuleBackend, layer: Any, params: dict) -> bool:
-    """A layer FSDP can run per data-parallel shard (``per_shard_call``): a norm, or any other
-    leaf layer whose weights are all trainable FSDP parameters (no state a call could update,
-    nothing TF's vectoriser would have to loop over)."""
-    kind = modules.layer_kind(layer).kind
-    if modules.call_replaced(layer) or kind not in ("norm", "other"):
-        return False
-    own = modules.weights(layer)
-    if len(own) != len(params) or any(not modules.is_trainable(v) for v in own.values()):
-        return False
-    return all(child is layer for _, child in modules.named_layers(layer)) and not getattr(
-        layer, "_seed_generators", None)
-
-
-def _per_shard_layer_call(modules: ModuleBackend, layer: Any, params: dict, state: _FSDPState) -> Callable:
-    """The layer's own computation run per data-parallel shard: its weight gradients are
-    reduce-scattered (torch's bytes) where TF would all-reduce them.  A call with more than one
-    tensor, a batch that does not split, or an op TF cannot vectorise takes the gathered route; so
-    does a lookup (integer input): the gradient of TF's vectorised gather is a segment sum over the
-    stacked copies that TF DTensor all-reduces whole (N x the table's bytes)."""
-    pairs = list(params.values())
-    gathered = _gathered_call(modules, params, state)
-    vectorises = [True]
-    parts = pairs[0][1].shard_layout.mesh.dim_size(pairs[0][1].dp)
-
-    def call(original, inputs, *args, **kwargs):
-        x = as_tf(inputs)
-        extra = [a for a in tf.nest.flatten((args, kwargs)) if isinstance(as_tf(a), tf.Tensor)]
-        if (not vectorises[0] or modules.is_symbolic(x) or not isinstance(x, tf.Tensor) or extra
-                or not x.dtype.is_floating or x.shape.rank in (None, 0) or not _batch_splits(x, pairs[0][1])
-                or parts == 1):  # one data-parallel device: nothing to reduce
-            return gathered(original, inputs, *args, **kwargs)
-        x = on_mesh(x, state.mesh.root_mesh.to_tf())
-        variables = [v for v, _ in pairs]
-
-        def fn(x_i, fulls):
-            with modules.read_as([(v, tf.cast(f, v.dtype)) for v, f in zip(variables, fulls)]):
-                return original(x_i, *args, **kwargs)
-
-        try:
-            return per_shard_call(
-                fn, x, [_shard(modules, v, p, state) for v, p in pairs], [p for _, p in pairs],
-                dtype=state.mp.param_dtype, reduce_dtype=state.mp.reduce_dtype,
-            )
-        except ValueError:  # an op with no vectorised form, or an output that is not row-wise
-            vectorises[0] = False
-            return gathered(original, inputs, *args, **kwargs)
-
-    return call
-
-
-def _scale_grad(y: tf.Tensor, scale: float) -> tf.Tensor:
-    @tf.custom_gradient
-    def scaled(y):
-        return tf.identity(y), lambda dy: dy * tf.cast(scale, dy.dtype)
-
-    return scaled(y)
-
-
-def _gathered_call(modules: ModuleBackend, params: dict, state: _FSDPState) -> Callable:
-    def call(original, *args, **kwargs):
-        first = next((as_tf(a) for a in tf.nest.flatten((args, kwargs)) if isinstance(as_tf(a), tf.Tensor)), None)
-        if first is not None and modules.is_symbolic(first):
-            return original(*args, **kwargs)
-        mesh = state.mesh.root_mesh.to_tf()
-        args, kwargs = tf.nest.map_structure(  # eager host tensors join the parameters' mesh
-            lambda a: on_mesh(a, mesh) if isinstance(a, tf.Tensor) else a, (args, kwargs)
-        )
-        values = [  # gathered in param_dtype (fewer bytes), read in the variable's dtype (Keras' rules)
-            (variable, tf.cast(gathered_with_sliced_grad(_shard(modules, variable, param, state), param,
-                                                         state.mp.param_dtype, first), variable.dtype))
-            for variable, param in params.values()
-        ]
-        with modules.read_as(values):
-            return original(*args, **kwargs)
-
-    return call
 
 
 def _hook_offloaded_call(modules: ModuleBackend, module: Any, path: str) -> None:
@@ -888,5 +386,5 @@ def register_fsdp_forward_method(module: Any, method_name: str) -> None:
     modules = module_backend(module, "register_fsdp_forward_method")
     state = _registry.module(module).fsdp
     params = {f"{i}": (v, p) for i, (v, p) in enumerate(state.params)}
-    wrapped = _gathered_call(modules, params, state)
+    wrapped = gathered_call(modules, params, state)
     setattr(module, method_name, lambda *a, **k: wrapped(method, *a, **k))
