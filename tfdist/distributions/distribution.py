@@ -109,8 +109,9 @@ def _is_numeric(v) -> bool:
     return hasattr(v, "shape") and hasattr(v, "dtype")  # other array types (a Keras variable, ...)
 
 
-def _named_arguments(cls, init, args, kwargs) -> dict:
-    """The constructor's arguments by name (a factory-made family takes ``*args``: its ``_params`` name them)."""
+def _named_arguments(init, args, kwargs) -> dict:
+    """The constructor's arguments by name (``inspect.signature`` reads a factory-made family's
+    ``__signature__``, torch's parameter names; values passed through a bare ``*args`` have none)."""
     signature = inspect.signature(init)
     try:
         bound = signature.bind(None, *args, **kwargs).arguments
@@ -121,10 +122,7 @@ def _named_arguments(cls, init, args, kwargs) -> dict:
     for name, value in bound.items():
         if params[name] == inspect.Parameter.VAR_KEYWORD:
             named.update(value)
-        elif params[name] == inspect.Parameter.VAR_POSITIONAL:
-            names = getattr(cls, "_params", ())
-            named.update(zip(names if isinstance(names, tuple) else (), value))
-        else:
+        elif params[name] != inspect.Parameter.VAR_POSITIONAL:
             named[name] = value
     return named
 
@@ -132,7 +130,7 @@ def _named_arguments(cls, init, args, kwargs) -> dict:
 def _check_parameter_types(cls, init, args, kwargs) -> None:
     """A parameter of the wrong type is refused naming it (torch: 'must all be instances of numbers.Number
     or torch.Tensor'), before TF's conversion error."""
-    for name, value in _named_arguments(cls, init, args, kwargs).items():
+    for name, value in _named_arguments(init, args, kwargs).items():
         if name in cls.arg_constraints and not _is_numeric(value):
             raise TypeError(f"{cls.__name__}: {name} must be a number or a tensor. Received: {name}={value!r} "
                             f"(type {type(value).__name__})")
@@ -178,7 +176,7 @@ def _marking(init):
         except (ValueError, tf.errors.InvalidArgumentError) as e:
             if not _is_broadcast_error(e):
                 raise
-            named = _named_arguments(type(self), init, args, kwargs)
+            named = _named_arguments(init, args, kwargs)
             shapes = {k: _shape_of(v) for k, v in named.items() if k in type(self).arg_constraints}
             given = ", ".join(f"{k} of shape {v}" for k, v in shapes.items()) or f"shapes {[_shape_of(a) for a in args]}"
             raise ValueError(f"{type(self).__name__}: the parameters must broadcast to one batch shape. "

@@ -17,7 +17,7 @@ from tfdist import _registry
 __all__ = ["optimizer_step"]
 
 
-def _variables_of(optimizer: Any, variables: Any) -> list:
+def _variables_of(optimizer: Any, variables: Any, name: str) -> list:
     if variables is not None:
         return list(variables)
     given = getattr(_registry.optimizer_if_any(optimizer), "params", None)
@@ -25,29 +25,31 @@ def _variables_of(optimizer: Any, variables: Any) -> list:
         return list(given)
     built = list(getattr(optimizer, "_trainable_variables", None) or [])
     if not built:
-        raise ValueError(f"{type(optimizer).__name__}.step: the optimizer has no variables yet; pass "
+        raise ValueError(f"{name}.step: the optimizer has no variables yet; pass "
                          "variables=model.trainable_variables (or build it on them). Received: variables=None")
     return built
 
 
 def optimizer_step(optimizer: Any, closure: Callable[[], Any] | None = None, *, grads: Any = None,
-                   variables: Any = None) -> Any:
-    """One update of ``optimizer``; returns the closure's loss (None without a closure)."""
+                   variables: Any = None, name: str | None = None) -> Any:
+    """One update of ``optimizer``; returns the closure's loss (None without a closure).
+    ``name``: the class the user called ``step`` on, for messages (default: the optimizer's)."""
+    name = name or type(optimizer).__name__
     if (closure is None) == (grads is None):
-        raise ValueError(f"{type(optimizer).__name__}.step: pass closure (a function returning the loss) or "
+        raise ValueError(f"{name}.step: pass closure (a function returning the loss) or "
                          f"grads. Received: closure={closure!r}, grads={'None' if grads is None else '...'}")
-    targets = _variables_of(optimizer, variables)
+    targets = _variables_of(optimizer, variables, name)
     loss = None
     if closure is not None:
         if not callable(closure):
-            raise TypeError(f"{type(optimizer).__name__}.step(closure): closure must be callable. "
+            raise TypeError(f"{name}.step(closure): closure must be callable. "
                             f"Received: {closure!r}")
         with tf.GradientTape() as tape:
             loss = closure()
         grads = tape.gradient(loss, targets)
     grads = list(grads)
     if len(grads) != len(targets):
-        raise ValueError(f"{type(optimizer).__name__}.step: {len(grads)} gradients for {len(targets)} variables.")
+        raise ValueError(f"{name}.step: {len(grads)} gradients for {len(targets)} variables.")
     pairs = [(g, v) for g, v in zip(grads, targets) if g is not None]  # a variable the loss misses: left
     optimizer.apply([g for g, _ in pairs], [v for _, v in pairs])
     return loss

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from tfdist import autograd
+from tfdist.optim._step import optimizer_step
 
 __all__ = ["DistributedOptimizer"]
 
@@ -53,7 +54,4 @@ class DistributedOptimizer:
                              f"Received: context_id={context_id!r}, grads={'None' if grads is None else '...'}")
         if grads is None:
             grads = autograd.gradients_for(context_id, self.params)
-        elif len(grads) != len(self.params):
-            raise ValueError(f"DistributedOptimizer.step: {len(grads)} gradients for {len(self.params)} parameters.")
-        pairs = [(g, p) for g, p in zip(grads, self.params) if g is not None]
-        self.optimizer.apply([g for g, _ in pairs], [p for _, p in pairs])
+        optimizer_step(self.optimizer, grads=grads, variables=self.params, name=type(self).__name__)
