@@ -303,6 +303,44 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def targets_markdown(report: dict) -> str:
+    """Per benchmark, how many of its targets are met and which are not (the README's table)."""
+    lines = ["| benchmark | targets met | not met: value (target) |", "| --- | --- | --- |"]
+    for entry in report["benchmarks"]:
+        if "error" in entry:
+            lines.append(f"| {entry['benchmark']} | failed | {entry['error'][:120]} |")
+            continue
+        rows = [r for r in entry.get("headline", []) if meets(r["value"], r["target"])]
+        if not rows:
+            continue
+        missed = [r for r in rows if meets(r["value"], r["target"]) != "yes"]
+        lines.append(f"| {entry['benchmark']} | {len(rows) - len(missed)} of {len(rows)} | "
+                     + "; ".join(f"{r['what']}: {r['value']} ({r['target']})" for r in missed) + " |")
+    return "\n".join(lines) + "\n"
+
+
+# where --report-only writes its tables: (file, marker name, table)
+DOC_TABLES = (("README.md", "targets", targets_markdown), ("docs/performance.md", "headline", markdown))
+
+
+def write_doc_tables(report: dict, root: pathlib.Path = HERE.parent) -> list[str]:
+    """Replaces each table between ``<!-- run_all:<name> -->`` and ``<!-- /run_all:<name> -->`` in
+    the docs with the report's; returns the files changed."""
+    changed = []
+    for name, marker, render in DOC_TABLES:
+        path = root / name
+        text = path.read_text()
+        start, end = f"<!-- run_all:{marker} -->\n", f"<!-- /run_all:{marker} -->"
+        if start not in text or end not in text:
+            raise ValueError(f"{name} has no {start.strip()} ... {end} markers for run_all's table")
+        head, rest = text.split(start, 1)
+        new = head + start + render(report) + end + rest.split(end, 1)[1]
+        if new != text:
+            path.write_text(new)
+            changed.append(name)
+    return changed
+
+
 def report_only(results: pathlib.Path, chosen: list[Benchmark]) -> dict:
     """The report of the results already written, run by nobody now: deterministic, so docs can
     quote it and a test can check they still do."""
@@ -316,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="comma-separated benchmark names (default: all)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds each benchmark may take")
     parser.add_argument("--report-only", action="store_true",
-                        help="run nothing: rebuild the table from the results already written")
+                        help="run nothing: rebuild the tables from the results already written (and the "
+                             "README's and docs/performance.md's copies of them)")
     args = parser.parse_args(argv)
     known = {b.name for b in BENCHMARKS}
     only = [n for n in args.only.split(",") if n]
@@ -327,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     results.mkdir(parents=True, exist_ok=True)
     if args.report_only:
         report = report_only(results, chosen)
+        if not args.quick and not only:
+            print("docs rewritten:", ", ".join(write_doc_tables(report)) or "none (already current)")
     else:
         report = {"meta": {"command": "python benchmarks/run_all.py" + (" --quick" if args.quick else "")
                            + (f" --only {args.only}" if only else ""), "commit": _commit(), "machine": _machine(),
@@ -339,8 +380,9 @@ def main(argv: list[str] | None = None) -> int:
     (results / "run_all.json").write_text(json.dumps(report, indent=1))
     table = markdown(report)
     (results / "run_all.md").write_text(table)
+    (results / "run_all_targets.md").write_text(targets_markdown(report))
     print("\n" + table)
-    print(f"wrote {results / 'run_all.json'} and {results / 'run_all.md'}")
+    print(f"wrote {results / 'run_all.json'}, {results / 'run_all.md'} and run_all_targets.md")
     return 1 if any("error" in e for e in report["benchmarks"]) else 0
 
 

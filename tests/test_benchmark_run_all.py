@@ -75,3 +75,31 @@ def test_every_committed_result_is_in_the_index():
              for n in re.findall(r"`([\w.]+)`", row.split("|")[1])}
     assert top - named == set(), "results not in benchmarks/results/README.md"
     assert named - top == set(), "the index names files that are not committed"
+
+
+def test_readme_quotes_the_targets_of_the_committed_results_and_fits_its_budget():
+    """The README's targets table is `run_all.py --report-only`'s, word for word, and the README
+    stays a first screen plus one short example per part (issue budget: 200 lines, 15 a example)."""
+    import re
+
+    readme = (BENCH.parent / "README.md").read_text()
+    table = run_all.targets_markdown(run_all.report_only(BENCH / "results", run_all.BENCHMARKS))
+    assert table.strip() in readme
+    assert len(readme.splitlines()) <= 200
+    assert all(len(code.splitlines()) <= 15 for code in re.findall(r"```python\n(.*?)```", readme, re.S))
+
+
+def test_report_only_rewrites_the_tables_between_their_markers(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "README.md").write_text("intro\n<!-- run_all:targets -->\nold\n<!-- /run_all:targets -->\nend\n")
+    (tmp_path / "docs" / "performance.md").write_text("x\n<!-- run_all:headline -->\n<!-- /run_all:headline -->\n")
+    report = {"meta": {"report_only": True}, "benchmarks": [
+        {"benchmark": "b", "headline": [{"what": "w", "value": 1.5, "target": "<= 1.0"}]}]}
+    assert run_all.write_doc_tables(report, tmp_path) == ["README.md", "docs/performance.md"]
+    readme = (tmp_path / "README.md").read_text()
+    assert "| b | 0 of 1 | w: 1.5 (<= 1.0) |" in readme and "old" not in readme and readme.endswith("end\n")
+    assert "| b | w | 1.5 | <= 1.0 | **no** |" in (tmp_path / "docs" / "performance.md").read_text()
+    assert run_all.write_doc_tables(report, tmp_path) == []  # current: nothing written
+    (tmp_path / "README.md").write_text("no markers\n")
+    with pytest.raises(ValueError, match="README.md has no <!-- run_all:targets -->"):
+        run_all.write_doc_tables(report, tmp_path)

@@ -20,7 +20,7 @@ from fixtures.qualnames import resolve
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 TORCH = json.loads((FIXTURES / "torch_distributed_signatures.json").read_text())
 DOCUMENTED = json.loads((FIXTURES / "torch_distributed_names.json").read_text())
-# Constructors tfdist does not take from users, with why (docs/design.md lists them too)
+# Constructors tfdist does not take from users, with why
 DIFFERENT = {
     "torch.distributed.tensor.DTensor": "built by from_local/distribute_tensor; torch's own constructor is "
                                         "private to it too (local_tensor, spec)",
