@@ -328,3 +328,21 @@ def test_one_dense_equation():
 
     assert LayerKind("dense").equation_for(3) == "abk,kn->abn"
     assert LayerKind("einsum", equation="bd,dhk->bhk").einsum_parts() == ("bd", "dhk", "bhk")
+
+
+def test_what_design_md_says_about_the_code_is_true():
+    """docs/design.md's countable claims: the patch table's rows, the modules that swap a class,
+    and that ``keras.src`` is imported in one module (the test above checks the last)."""
+    import re
+
+    from tfdist import _patches
+
+    design = " ".join((PACKAGE.parent / "docs" / "design.md").read_text().split())
+    rows = re.search(r"The patch table\*\* \(`tfdist/_patches.py`, (\d+) rows\)", design)
+    assert rows and int(rows.group(1)) == len(_patches.PATCHES)
+    claim = re.search(r"`__class__` is assigned in (.*?) only\.", design)
+    named = set(re.findall(r"`([\w/]+\.py)`", claim.group(1)))
+    swapping = {str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py")
+                if re.search(r"\.__class__ = ", path.read_text())}
+    assert named == swapping
+    assert "`keras.src` import outside `tfdist/keras/_keras_internals.py`" in design
