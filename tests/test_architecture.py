@@ -302,12 +302,12 @@ _KERAS_ATTRIBUTES = {"kernel", "bias", "activation", "compute_dtype", "lora_enab
                      "_learning_rate", "equation", "bias_axes", "input_dim", "trainable"}
 
 
-def test_tensor_fsdp_and_checkpoint_read_no_keras_attribute():
-    """What tensor/, fsdp/ and checkpoint/ need of a layer or optimizer comes through the
+def test_tensor_fsdp_checkpoint_and_pipelining_read_no_keras_attribute():
+    """What tensor/, fsdp/, checkpoint/ and pipelining/ need of a layer or optimizer comes through the
     ModuleBackend (LayerKind, weights(), optimizer_scalars()), not from Keras attributes."""
     bad = []
     for name, path in MODULES.items():
-        if not name.startswith(("tfdist.tensor", "tfdist.fsdp", "tfdist.checkpoint")):
+        if not name.startswith(("tfdist.tensor", "tfdist.fsdp", "tfdist.checkpoint", "tfdist.pipelining")):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute) and node.attr in _KERAS_ATTRIBUTES \
