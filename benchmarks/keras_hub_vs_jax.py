@@ -303,9 +303,12 @@ def merged_cases(path: str, new: list[dict]) -> list[dict]:
 
 
 def _commit() -> str:
-    done = subprocess.run(["git", "describe", "--always", "--dirty=+uncommitted"], capture_output=True, text=True,
-                          cwd=HERE)
-    return done.stdout.strip() or "unknown"
+    """The commit measured; "+uncommitted" when the library or a benchmark script differs from it
+    (results files written by an earlier run do not count)."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE)
+    changed = subprocess.run(["git", "status", "--porcelain", "--", "../tfdist", "*.py"], capture_output=True,
+                             text=True, cwd=HERE)
+    return (head.stdout.strip() or "unknown") + ("+uncommitted" if changed.stdout.strip() else "")
 
 
 def main() -> None:
